@@ -1,0 +1,2 @@
+"""Sluice: a latency-first, OpenAI-compatible LLM gateway."""
+__version__ = "0.1.0"

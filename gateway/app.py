@@ -1,0 +1,110 @@
+"""The ASGI application: a bare callable for the proxy endpoints, Starlette for everything else.
+
+The proxy paths are matched with one dict lookup and go straight to the pipeline, without routing,
+middleware or Request objects; health, readiness, the model list and unknown paths go through
+Starlette, where per-request cost does not matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from gateway import errors
+from gateway.pipeline import send_error
+from gateway.runtime import Runtime
+from gateway.settings import Settings, load
+
+ENDPOINTS = {
+    "/v1/chat/completions": "chat/completions",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    # The same paths without /v1, as some clients are configured with the bare host as base URL.
+    "/chat/completions": "chat/completions",
+    "/completions": "completions",
+    "/embeddings": "embeddings",
+}
+AZURE_PREFIX = "/openai/deployments/"
+
+
+class Gateway:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.runtime: Runtime | None = None
+        models = [{"id": name, "object": "model", "created": 0, "owned_by": "sluice"} for name in settings.models]
+        self.models_body = orjson.dumps({"object": "list", "data": models})
+        self.site = Starlette(
+            routes=[
+                Route("/healthz", self.healthz),
+                Route("/readyz", self.readyz),
+                Route("/v1/models", self.list_models),
+                Route("/models", self.list_models),
+            ],
+            exception_handlers={HTTPException: self.http_error},  # type: ignore[dict-item]
+            lifespan=self.lifespan,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            endpoint = ENDPOINTS.get(path)
+            deployment = None
+            if endpoint is None and path.startswith(AZURE_PREFIX):
+                deployment, _, rest = path[len(AZURE_PREFIX) :].partition("/")
+                endpoint = ENDPOINTS.get("/" + rest) if deployment else None
+            if endpoint is not None:
+                runtime = self.runtime
+                if scope["method"] != "POST":
+                    error: errors.GatewayError = errors.MethodNotAllowedError(f"{scope['method']} is not allowed here")
+                    error.headers = [(b"allow", b"POST")]
+                    await send_error(send, error, "")
+                elif runtime is None:
+                    await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
+                else:
+                    await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
+                return
+        await self.site(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
+        runtime = Runtime(self.settings)
+        await runtime.start()
+        self.runtime = runtime
+        try:
+            yield
+        finally:
+            self.runtime = None
+            await runtime.aclose()
+
+    async def healthz(self, _: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def readyz(self, _: Request) -> Response:
+        ready = self.runtime is not None and self.runtime.ready
+        body = b'{"status":"ready"}' if ready else b'{"status":"warming"}'
+        return Response(body, status_code=200 if ready else 503, media_type="application/json")
+
+    async def list_models(self, _: Request) -> Response:
+        return Response(self.models_body, media_type="application/json")
+
+    async def http_error(self, _: Request, exc: HTTPException) -> Response:
+        if exc.status_code == 405:
+            error: errors.GatewayError = errors.MethodNotAllowedError("method not allowed")
+        elif exc.status_code == 404:
+            error = errors.NotFoundError("unknown URL", code="unknown_url")
+        else:
+            error = errors.GatewayError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
+        return Response(error.body(), status_code=error.status, headers=exc.headers, media_type="application/json")
+
+
+def create_app(settings: Settings | None = None) -> Gateway:
+    """The app for `settings`, else for the config found by `settings.load()` (used by uvicorn workers)."""
+    return Gateway(settings if settings is not None else load())

@@ -1,0 +1,92 @@
+"""`sluice`: parse the command line and hand over to the part that does the work."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from gateway.settings import ConfigError, Settings, load
+
+
+def _config(path: str | None) -> Settings:
+    try:
+        return load(path)
+    except ConfigError as exc:
+        sys.exit(f"sluice: config error: {exc}")
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    settings = _config(args.config)
+    host = args.host or settings.listen.host
+    port = args.port if args.port is not None else settings.listen.port
+    options: dict[str, object] = {
+        "host": host,
+        "port": port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        "access_log": False,
+        "log_level": args.log_level,
+        "timeout_graceful_shutdown": 5,
+    }
+    if args.workers > 1:
+        # Workers import the app themselves; they find the same config through the environment.
+        if args.config:
+            os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
+        uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
+    else:
+        from gateway.app import create_app
+
+        uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
+
+
+def check(args: argparse.Namespace) -> None:
+    settings = _config(args.config)
+    print(f"ok: {len(settings.backends)} backend(s), {len(settings.models)} model(s), plugins: "
+          f"{', '.join(settings.plugins) or 'none'}")
+
+
+def sim(args: argparse.Namespace) -> None:
+    from gateway.simulation import Profile
+    from gateway.tools import sim as simulator
+
+    simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="sluice", description="A latency-first, OpenAI-compatible LLM gateway.")
+    commands = root.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("serve", help="run the gateway")
+    p.add_argument("-c", "--config", help="YAML config (default: $SLUICE_CONFIG, else config/gateway.yaml)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(run=serve)
+
+    p = commands.add_parser("check", help="validate a config and exit")
+    p.add_argument("-c", "--config")
+    p.set_defaults(run=check)
+
+    p = commands.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--ttft-ms", type=float, default=150.0)
+    p.add_argument("--tpot-ms", type=float, default=15.0)
+    p.add_argument("--tokens", type=int, default=16)
+    p.set_defaults(run=sim)
+    return root
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

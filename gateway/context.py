@@ -1,0 +1,85 @@
+"""Exchange: the state of one proxied request as it moves through the pipeline.
+
+Built in step 1 (parse) and read by every later step. Plugins keep their own data in `state`, keyed by
+plugin name; nothing else about a request lives anywhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.providers.base import Provider
+    from gateway.settings import ModelSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One place a request can be served: a public model on its backend, built once at start-up."""
+
+    model: str  # the public name clients use
+    backend: str  # the backend's name in the config
+    upstream_model: str  # the name sent upstream (Azure: the deployment)
+    settings: ModelSettings
+    provider: Provider
+
+
+class Exchange:
+    __slots__ = (
+        "body",
+        "endpoint",
+        "fallback",
+        "headers",
+        "json",
+        "model",
+        "request_id",
+        "served",
+        "started",
+        "state",
+        "stream",
+        "targets",
+        "tenant",
+        "timings",
+        "traceparent",
+        "upstream_ms",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        endpoint: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        json: dict[str, Any],
+        started: float,
+    ) -> None:
+        self.request_id = request_id
+        self.endpoint = endpoint  # "chat/completions", "completions" or "embeddings"
+        self.headers = headers  # as the client sent them, names lower-cased
+        self.body = body  # the raw request body, forwarded as is when nothing must change
+        self.json = json  # the body parsed once
+        self.started = started  # perf_counter() when the request arrived
+        self.model: str = json["model"]
+        self.stream: bool = bool(json.get("stream", False))
+        self.tenant = "anonymous"
+        self.targets: list[Target] = []
+        self.served: Target | None = None
+        self.fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge
+        self.traceparent: bytes | None = None
+        self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
+        self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head
+        self.state: dict[str, Any] = {}
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def mark(self, stage: str, since: float) -> float:
+        """Record a stage that started at `since` (perf_counter) and ends now; return now."""
+        now = time.perf_counter()
+        self.timings.append((stage, (now - since) * 1000.0))
+        return now

@@ -1,0 +1,162 @@
+"""Errors, always answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}.
+
+    GatewayError                      any status; carries type, code, param and extra headers
+     ├─ BadRequestError           400 invalid_request_error
+     ├─ AuthenticationError       401 invalid_api_key
+     ├─ PermissionDeniedError     403
+     ├─ NotFoundError             404 model_not_found / unknown_url
+     ├─ MethodNotAllowedError     405
+     ├─ PayloadTooLargeError      413
+     ├─ RateLimitError            429 rate_limit_exceeded (+ retry-after)
+     ├─ UpstreamError             502 the backend failed or answered nonsense
+     ├─ ServiceUnavailableError   503
+     └─ UpstreamTimeoutError      504
+
+`from_pool_error` is the one place where transport failures become statuses; `from_upstream` turns an
+upstream's error answer (whatever its dialect: OpenAI, Azure, vLLM) into our shape with its status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway import pool
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = headers or []
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.payload())
+
+    def sse_event(self) -> bytes:
+        """The error as one SSE event, then the end of the stream, for failures after the first byte."""
+        return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
+
+
+class BadRequestError(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationError(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "model_not_allowed"
+
+
+class NotFoundError(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class MethodNotAllowedError(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLargeError(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimitError(GatewayError):
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+
+class ServiceUnavailableError(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+class UpstreamTimeoutError(GatewayError):
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+def from_pool_error(exc: pool.PoolError, backend: str) -> GatewayError:
+    if isinstance(exc, pool.ConnectTimeout):
+        return UpstreamTimeoutError(f"backend {backend!r}: {exc}", code="connect_timeout")
+    if isinstance(exc, pool.ConnectError):
+        return UpstreamError(f"backend {backend!r}: {exc}", code="connect_error")
+    if isinstance(exc, pool.PoolTimeout):
+        return ServiceUnavailableError(f"backend {backend!r}: {exc}", code="pool_timeout")
+    if isinstance(exc, pool.ReadTimeout):
+        return UpstreamTimeoutError(f"backend {backend!r}: {exc}")
+    return UpstreamError(f"backend {backend!r}: {exc}")
+
+
+def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:
+    """An upstream's error response in our shape, with its status. Unknown bodies are quoted, shortened."""
+    message, type_, code, param = "", None, None, None
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, dict):
+        message = str(error.get("message") or "")
+        type_ = _str_or_none(error.get("type"))
+        code = _str_or_none(error.get("code"))  # vLLM sends the status as an int
+        param = _str_or_none(error.get("param"))
+    elif isinstance(error, str):
+        message = error
+    elif isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+        message = parsed["message"]
+    if not message:
+        text = body[:200].decode("utf-8", "replace").strip()
+        message = f"backend {backend!r} answered {status}" + (f": {text}" if text else "")
+    if type_ is None:
+        type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
+    return GatewayError(message, status=status, type=type_, code=code, param=param)
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,126 @@
+"""Step 1 of the pipeline: the ASGI request becomes an Exchange, or a 4xx in OpenAI's format.
+
+The body is read with a size cap (before decompression and after), parsed once with orjson and
+checked just enough that the gateway can route it: the model, the fields the endpoint cannot do without,
+and `stream`. Everything else is the backend's to judge.
+"""
+
+from __future__ import annotations
+
+import uuid
+import zlib
+from typing import Any
+
+import orjson
+from starlette.types import Receive
+
+from gateway import errors
+from gateway.context import Exchange
+
+# What each endpoint cannot be routed without: (field, accepted types, what to call them in a message).
+REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
+    "chat/completions": ("messages", (list,), "an array of messages"),
+    "completions": ("prompt", (str, list), "a string or an array"),
+    "embeddings": ("input", (str, list), "a string or an array"),
+}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body had arrived."""
+
+
+def request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name == b"x-request-id" and 0 < len(value) <= 128 and value.isascii():
+            return value.decode()
+    return uuid.uuid4().hex
+
+
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    encoding = b""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise errors.PayloadTooLargeError(f"request body larger than {limit} bytes")
+        if name == b"content-encoding":
+            encoding = value.strip().lower()
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientGone
+    body: bytes = message.get("body", b"")
+    if message.get("more_body", False):
+        parts = [body]
+        size = len(body)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise errors.PayloadTooLargeError(f"request body larger than {limit} bytes")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(parts)
+    elif len(body) > limit:
+        raise errors.PayloadTooLargeError(f"request body larger than {limit} bytes")
+    if encoding and encoding != b"identity":
+        body = decompress(body, encoding, limit)
+    return body
+
+
+def decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    if encoding == b"gzip":
+        decoder = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    elif encoding == b"deflate":
+        decoder = zlib.decompressobj()
+    else:
+        raise errors.GatewayError(
+            f"unsupported content-encoding {encoding.decode('latin-1')!r}; use gzip, deflate or none",
+            status=415,
+            type="invalid_request_error",
+            code="unsupported_content_encoding",
+        )
+    try:
+        # max_length bounds the output, so a small bomb cannot expand past the cap in memory.
+        data = decoder.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise errors.BadRequestError(f"request body is not valid {encoding.decode()}: {exc}") from None
+    if len(data) > limit or decoder.unconsumed_tail:
+        raise errors.PayloadTooLargeError(f"decompressed request body larger than {limit} bytes")
+    return data
+
+
+def parse(
+    endpoint: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    started: float,
+    rid: str,
+    path_model: str | None = None,
+) -> Exchange:
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise errors.BadRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise errors.BadRequestError("request body must be a JSON object")
+    if path_model is not None and data.get("model") != path_model:
+        # Azure-style paths name the deployment; the body's model (often absent) follows it.
+        data["model"] = path_model
+        body = orjson.dumps(data)
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise errors.BadRequestError("you must provide a model parameter", param="model", code="missing_model")
+    field, types, what = REQUIRED[endpoint]
+    value = data.get(field)
+    if value is None:
+        raise errors.BadRequestError(f"missing required parameter: '{field}'", param=field)
+    if not isinstance(value, types) or (field == "messages" and not value):
+        raise errors.BadRequestError(f"'{field}' must be {what}", param=field)
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise errors.BadRequestError("'stream' must be a boolean", param="stream")
+    if stream and endpoint == "embeddings":
+        raise errors.BadRequestError("embeddings cannot be streamed", param="stream")
+    return Exchange(rid, endpoint, headers, body, data, started)

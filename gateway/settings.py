@@ -1,0 +1,230 @@
+"""The configuration: YAML in, frozen typed settings out, checked once at start-up.
+
+Unknown keys are errors (a typo must not silently disable a feature). `${NAME}` and `${NAME:-default}`
+are expanded from the environment inside string values before validation. Pydantic is used only here:
+the request path reads plain attributes of these frozen objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_PATH = Path("config/gateway.yaml")
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
+
+QUICKSTART_YAML = """
+backends:
+  sim: {type: simulated, ttft_ms: 150, tpot_ms: 15}
+models:
+  chat-large: {backend: sim, upstream_model: large, fallback: [chat-small]}
+  chat-small: {backend: sim, upstream_model: small}
+auth: {required: false}
+"""
+
+
+class ConfigError(Exception):
+    """A configuration problem, said in one line that names the YAML path."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class Timeouts(Strict):
+    connect_s: float = Field(5.0, gt=0)
+    first_byte_s: float = Field(600.0, gt=0)  # the response head; LLM prefill can be long
+    idle_read_s: float = Field(300.0, gt=0)  # the longest silence between two body chunks
+
+
+class RemoteBackend(Strict):
+    base_url: str
+    api_key: str = ""
+    headers: dict[str, str] = {}  # sent upstream on every request, e.g. OpenAI-Organization
+    timeouts: Timeouts = Timeouts()
+
+    @model_validator(mode="after")
+    def _url(self) -> RemoteBackend:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        return self
+
+
+class OpenAIBackend(RemoteBackend):
+    type: Literal["openai"]
+
+
+class VLLMBackend(RemoteBackend):
+    type: Literal["vllm"]
+
+
+class AzureBackend(RemoteBackend):
+    type: Literal["azure"]
+    # A dated version uses /openai/deployments/{deployment}/...; "v1" uses the /openai/v1/ form.
+    api_version: str = "2024-10-21"
+
+
+class SimulatedBackend(Strict):
+    type: Literal["simulated"]
+    ttft_ms: float = Field(150.0, ge=0)
+    tpot_ms: float = Field(15.0, ge=0)
+    tokens: int = Field(16, ge=1)
+
+
+Backend = Annotated[OpenAIBackend | AzureBackend | VLLMBackend | SimulatedBackend, Field(discriminator="type")]
+
+
+class PoolSettings(Strict):
+    max_connections: int = Field(256, ge=1)
+    keepalive: int = Field(64, ge=0)  # idle connections kept per backend
+    http2: bool = False
+    warm_connections: int = Field(4, ge=0)
+    keepalive_expiry_s: float = Field(30.0, gt=0)
+    pool_timeout_s: float = Field(10.0, gt=0)
+
+
+class SloSettings(Strict):
+    ttft_p95_ms: float = Field(800.0, gt=0)
+    max_error_rate: float = Field(0.05, ge=0, le=1)
+    window_s: float = Field(30.0, gt=0)
+    min_samples: int = Field(20, ge=1)
+
+
+class ModelSettings(Strict):
+    backend: str
+    upstream_model: str | None = None  # default: the public name
+    fallback: list[str] = []
+    first_token_deadline_ms: float | None = Field(None, gt=0)
+    slo: SloSettings | None = None
+    hedge_after_ms: float | None = Field(None, gt=0)
+    max_hedge_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class RateLimitSettings(Strict):
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+
+class TenantSettings(Strict):
+    keys: list[str] = []
+    models: list[str] | None = None  # None: every model
+    rate_limit: RateLimitSettings = RateLimitSettings()
+
+
+class RedisSettings(Strict):
+    url: str = ""
+
+
+class AuthSettings(Strict):
+    required: bool = True
+    cache_ttl_s: float = Field(30.0, gt=0)
+
+
+class CacheSettings(Strict):
+    ttl_s: float = Field(3600.0, gt=0)
+    l1_entries: int = Field(10000, ge=0)
+    mode: Literal["deterministic", "always", "off"] = "deterministic"
+
+
+class TelemetrySettings(Strict):
+    otlp_endpoint: str = ""
+    service_name: str = "sluice"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
+class LimitSettings(Strict):
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+
+
+class Settings(Strict):
+    listen: Listen = Listen()
+    backends: dict[str, Backend]
+    pool: PoolSettings = PoolSettings()
+    models: dict[str, ModelSettings]
+    tenants: dict[str, TenantSettings] = {}
+    redis: RedisSettings = RedisSettings()
+    auth: AuthSettings = AuthSettings()
+    cache: CacheSettings = CacheSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+    limits: LimitSettings = LimitSettings()
+    plugins: list[str] = []
+
+    @model_validator(mode="after")
+    def _references(self) -> Settings:
+        for name, model in self.models.items():
+            if model.backend not in self.backends:
+                raise ValueError(f"models.{name}.backend: no backend named {model.backend!r}")
+            for other in model.fallback:
+                if other not in self.models:
+                    raise ValueError(f"models.{name}.fallback: no model named {other!r}")
+                if other == name:
+                    raise ValueError(f"models.{name}.fallback: a model cannot fall back to itself")
+        if not self.models:
+            raise ValueError("models: at least one model is needed")
+        return self
+
+
+def expand_env(value: Any) -> Any:
+    """Replace ${NAME} and ${NAME:-default} in every string of a parsed YAML tree."""
+    if isinstance(value, str):
+        return ENV_REF.sub(_env_value, value)
+    if isinstance(value, dict):
+        return {key: expand_env(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [expand_env(item) for item in value]
+    return value
+
+
+def _env_value(match: re.Match[str]) -> str:
+    name, default = match.group(1), match.group(2)
+    if name in os.environ and (default is None or os.environ[name]):
+        return os.environ[name]
+    if default is not None:
+        return default
+    raise ConfigError(f"environment variable {name} is not set (use ${{{name}:-default}} for a default)")
+
+
+def parse(text: str, source: str = "<config>") -> Settings:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return Settings.model_validate(expand_env(raw))
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_first_error(exc)}") from exc
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    # Discriminated unions put the tag in the location ("backends.x.openai.api_key"): keep the YAML path.
+    path = ".".join(str(part) for part in error["loc"] if part not in ("openai", "azure", "vllm", "simulated"))
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    return f"{path}: {message}" if path else message
+
+
+def load(path: str | os.PathLike[str] | None = None) -> Settings:
+    """The settings from `path`, else $SLUICE_CONFIG, else config/gateway.yaml, else the built-in quickstart."""
+    if path is None:
+        path = os.environ.get("SLUICE_CONFIG") or (DEFAULT_PATH if DEFAULT_PATH.exists() else None)
+    if path is None:
+        return parse(QUICKSTART_YAML, "<built-in quickstart>")
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    return parse(text, str(path))

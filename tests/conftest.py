@@ -1,0 +1,26 @@
+"""Fixtures shared by the suites: real servers on loopback only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.gateway import RunningGateway, gateway_thread
+
+QUICKSTART = """
+backends:
+  sim: {type: simulated, ttft_ms: 20, tpot_ms: 2, tokens: 8}
+models:
+  chat-large: {backend: sim, upstream_model: large, fallback: [chat-small]}
+  chat-small: {backend: sim, upstream_model: small}
+  embed-small: {backend: sim, upstream_model: embed}
+limits: {max_body_bytes: 65536}
+"""
+
+
+@pytest.fixture(scope="session")
+def quickstart() -> Iterator[RunningGateway]:
+    """The gateway on a simulated backend, shared by the tests that only read from it."""
+    with gateway_thread(QUICKSTART) as gw:
+        yield gw

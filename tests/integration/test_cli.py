@@ -1,0 +1,42 @@
+"""The command line as a user runs it: check, serve with a bad config, serve with several workers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+
+from tests.support.gateway import gateway_process
+
+SIM = "backends: {s: {type: simulated, ttft_ms: 5, tpot_ms: 1, tokens: 4}}\nmodels: {m: {backend: s}}\n"
+
+
+def sluice(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_check_accepts_the_quickstart() -> None:
+    result = sluice("check", "-c", "config/gateway.yaml")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok:")
+
+
+def test_bad_config_stops_serve_with_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("backends: {s: {type: simulated}}\nmodels: {m: {backend: missing}}\n")
+    for command in ("check", "serve"):
+        result = sluice(command, "-c", str(path))
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert "models.m.backend" in lines[0] and str(path) in lines[0]
+
+
+def test_serve_with_two_workers(tmp_path: Path) -> None:
+    with gateway_process(SIM, tmp_path, "--workers", "2") as gw:
+        client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+        for _ in range(10):
+            answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert answer.choices[0].finish_reason == "stop"

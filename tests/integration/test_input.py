@@ -1,0 +1,114 @@
+"""Bad input gets an OpenAI-format error with the right status: never a 500, a hang or a mixed-up answer."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import httpx
+import openai
+import pytest
+
+from tests.support.gateway import RunningGateway
+
+CHAT = b'{"model":"chat-small","messages":[{"role":"user","content":"hi"}]}'
+
+
+def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code
+    return error  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"messages":[{"role":"user","content":"hi"}]}', "model"),
+        (b'{"model":7,"messages":[]}', "model"),
+        (b'{"model":"chat-small"}', "messages"),
+        (b'{"model":"chat-small","messages":"hi"}', "messages"),
+        (b'{"model":"chat-small","messages":[]}', "messages"),
+        (b'{"model":"chat-small","messages":[{"role":"user","content":"hi"}],"stream":"yes"}', "stream"),
+    ],
+)
+def test_malformed_requests_get_400(quickstart: RunningGateway, body: bytes, param: str | None) -> None:
+    response = httpx.post(f"{quickstart.base_url}/chat/completions", content=body)
+    error = assert_error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_missing_fields_per_endpoint(quickstart: RunningGateway) -> None:
+    assert_error(httpx.post(f"{quickstart.base_url}/completions", json={"model": "chat-small"}), 400)
+    assert_error(httpx.post(f"{quickstart.base_url}/embeddings", json={"model": "embed-small"}), 400)
+    streamed = {"model": "embed-small", "input": "x", "stream": True}
+    assert_error(httpx.post(f"{quickstart.base_url}/embeddings", json=streamed), 400)
+
+
+def test_unknown_model_is_404_for_the_sdk(quickstart: RunningGateway) -> None:
+    client = openai.OpenAI(base_url=quickstart.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    assert caught.value.code == "model_not_found"
+
+
+def test_wrong_method_and_unknown_path(quickstart: RunningGateway) -> None:
+    response = httpx.get(f"{quickstart.base_url}/chat/completions")
+    assert_error(response, 405, "method_not_allowed")
+    assert response.headers["allow"] == "POST"
+    assert_error(httpx.get(f"{quickstart.url}/v2/nothing"), 404, "unknown_url")
+    assert_error(httpx.post(f"{quickstart.url}/v1/models"), 405)
+
+
+def test_body_over_the_limit_is_413(quickstart: RunningGateway) -> None:
+    big = b'{"model":"chat-small","messages":[{"role":"user","content":"' + b"x" * 70000 + b'"}]}'
+    assert_error(httpx.post(f"{quickstart.base_url}/chat/completions", content=big), 413, "request_too_large")
+
+    def chunks():  # no content-length: the cap must hold while reading
+        yield big[:30000]
+        yield big[30000:]
+
+    assert_error(httpx.post(f"{quickstart.base_url}/chat/completions", content=chunks()), 413)
+
+
+def test_gzip_body_is_decompressed(quickstart: RunningGateway) -> None:
+    response = httpx.post(
+        f"{quickstart.base_url}/chat/completions", content=gzip.compress(CHAT), headers={"content-encoding": "gzip"}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
+    deflated = httpx.post(
+        f"{quickstart.base_url}/chat/completions", content=zlib.compress(CHAT), headers={"content-encoding": "deflate"}
+    )
+    assert deflated.status_code == 200, deflated.text
+
+
+def test_gzip_bomb_is_413_not_memory(quickstart: RunningGateway) -> None:
+    bomb = gzip.compress(b"{" + b" " * (50 * 1024 * 1024) + b"}")
+    assert len(bomb) < 65536
+    response = httpx.post(
+        f"{quickstart.base_url}/chat/completions", content=bomb, headers={"content-encoding": "gzip"}
+    )
+    assert_error(response, 413)
+
+
+def test_bad_encodings(quickstart: RunningGateway) -> None:
+    url = f"{quickstart.base_url}/chat/completions"
+    assert_error(httpx.post(url, content=b"not gzip", headers={"content-encoding": "gzip"}), 400)
+    assert_error(httpx.post(url, content=CHAT, headers={"content-encoding": "br"}), 415)
+
+
+def test_azure_style_path_routes_by_deployment(quickstart: RunningGateway) -> None:
+    client = openai.AzureOpenAI(
+        azure_endpoint=quickstart.url, api_version="2024-10-21", api_key="unused", max_retries=0
+    )
+    answer = client.chat.completions.create(model="chat-small", messages=[{"role": "user", "content": "hi"}])
+    assert answer.model == "small"
+    assert answer.choices[0].message.content

@@ -46,8 +46,10 @@ def serve(args: argparse.Namespace) -> None:
 
 def check(args: argparse.Namespace) -> None:
     settings = _config(args.config)
-    print(f"ok: {len(settings.backends)} backend(s), {len(settings.models)} model(s), plugins: "
-          f"{', '.join(settings.plugins) or 'none'}")
+    print(
+        f"ok: {len(settings.backends)} backend(s), {len(settings.models)} model(s), plugins: "
+        f"{', '.join(settings.plugins) or 'none'}"
+    )
 
 
 def sim(args: argparse.Namespace) -> None:
@@ -55,6 +57,26 @@ def sim(args: argparse.Namespace) -> None:
     from gateway.tools import sim as simulator
 
     simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
+
+
+def keys(args: argparse.Namespace) -> None:
+    from gateway.tools import keys as store
+
+    if args.action == "new":
+        store.new(args.tenant or "default")
+        return
+    url = args.redis if args.redis is not None else _config(args.config).redis.url
+    if args.action == "list":
+        store.list_keys(url)
+        return
+    hexdigest = store.hex_digest(args.key, args.hash)
+    if args.action == "add":
+        if not args.tenant:
+            sys.exit("sluice keys add: --tenant is required")
+        models = [m for m in args.models.split(",") if m] if args.models else None
+        store.add(url, args.tenant, hexdigest, models)
+    else:
+        store.revoke(url, hexdigest)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,6 +102,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
     p.set_defaults(run=sim)
+
+    p = commands.add_parser("keys", help="make gateway keys; add, revoke and list them in Redis")
+    p.add_argument("action", choices=["new", "add", "revoke", "list"])
+    p.add_argument("--tenant")
+    p.add_argument("--key", help="the key itself (add/revoke)")
+    p.add_argument("--hash", help="the key's sha256:... (add/revoke)")
+    p.add_argument("--models", help="comma-separated models the key may use (add; default: all)")
+    p.add_argument("--redis", help="Redis URL (default: redis.url from the config)")
+    p.add_argument("-c", "--config")
+    p.set_defaults(run=keys)
     return root
 
 

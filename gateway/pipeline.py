@@ -108,10 +108,10 @@ class Pipeline:
         reply: Reply | None = None
         opened: Opened | None = None
         try:
-            for hook in self.on_request:
+            for name, hook in self.on_request:
                 since = time.perf_counter()
                 reply = await hook(ex)
-                ex.mark(hook.__self__.name, since)
+                ex.mark(name, since)
                 if reply is not None:
                     break
             if reply is None:
@@ -125,9 +125,11 @@ class Pipeline:
         if opened is not None:
             response = opened.response
             status = response.status
-            head_headers = [(k, v) for k, v in response.headers if k in PASSED]
-            for name, value in response.headers:
-                if name == b"x-request-id":
+            head_headers = []
+            for key, value in response.headers:
+                if key in PASSED:
+                    head_headers.append((key, value))
+                elif key == b"x-request-id":
                     head_headers.append((b"x-upstream-request-id", value))
             if ex.stream:
                 head_headers.extend(STREAM_HEADERS)
@@ -146,7 +148,7 @@ class Pipeline:
         head = ResponseHead(status, head_headers)
         outcome.status = status
         taps: list[Tap] = []
-        for hook in self.on_response:
+        for _, hook in self.on_response:
             tap = await hook(ex, head)
             if tap is not None:
                 taps.append(tap)
@@ -196,11 +198,11 @@ class Pipeline:
             outcome.usage = find_usage(body[-2048:])
 
     async def _complete(self, ex: Exchange, outcome: Outcome) -> None:
-        for hook in self.on_complete:
+        for name, hook in self.on_complete:
             try:
                 await hook(ex, outcome)
             except Exception:
-                log.exception("plugin %s: on_complete failed", hook.__self__.name)
+                log.exception("plugin %s: on_complete failed", name)
 
 
 async def send_error(send: Send, exc: errors.GatewayError, rid: str) -> None:

@@ -92,6 +92,6 @@ def load_class(spec: str) -> type[Plugin]:
     return cls  # type: ignore[no-any-return]
 
 
-def hooks(plugins: list[Plugin], name: str) -> tuple[Callable[..., Any], ...]:
-    """The bound hook `name` of every plugin that defines it, in order."""
-    return tuple(getattr(p, name) for p in plugins if callable(getattr(p, name, None)))
+def hooks(plugins: list[Plugin], name: str) -> tuple[tuple[str, Callable[..., Any]], ...]:
+    """(plugin name, bound hook) for every plugin that defines hook `name`, in order."""
+    return tuple((p.name, getattr(p, name)) for p in plugins if callable(getattr(p, name, None)))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
 import time
 from collections import deque
@@ -77,7 +78,8 @@ class Origin:
     @property
     def host_header(self) -> str:
         default = 443 if self.scheme == "https" else 80
-        return self.host if self.port == default else f"{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return host if self.port == default else f"{host}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,14 +218,14 @@ class Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(RemoteProtocolError(f"malformed upstream response: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(RemoteProtocolError(f"malformed upstream response: {exc!r}"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         response = self.current
-        if response is not None and response.status and self.body_until_eof and exc is None:
+        if response is not None and response.status and self.body_until_eof and exc is None and not response._error:
             response._finish()  # the body of a response with no length ends with the connection
         elif response is not None or (self.head is not None and not self.head.done()):
             self._fail(RemoteProtocolError("upstream closed the connection before the response ended"))
@@ -264,6 +266,8 @@ class Connection(asyncio.Protocol):
         keep = self.parser.should_keep_alive() and not self.body_until_eof
         response._finish()
         if keep:
+            # The body may have completed in the very read that paused the socket; an idle connection must read.
+            self.resume()
             self.pool._release(self)
         else:
             self.abort()
@@ -275,7 +279,12 @@ class Connection(asyncio.Protocol):
         self.current = Response(self)
         self.head = self.loop.create_future()
         self.got_bytes = False
-        self.transport.write(data)
+        if self.closed:
+            # Closed by the upstream after it was handed out: the write would vanish and nothing would answer.
+            self._fail(RemoteProtocolError("upstream closed the connection before the request was sent"))
+            self.current = None
+        else:
+            self.transport.write(data)
         return self.head
 
     def pause(self) -> None:
@@ -291,6 +300,8 @@ class Connection(asyncio.Protocol):
     def abort(self) -> None:
         if not self.closed:
             self.closed = True
+            # Before connection_lost, which would otherwise take the end of a length-less body for its end.
+            self._fail(ResponseClosed("connection closed by the gateway"))
             if self.transport is not None:
                 self.transport.abort()
             self.pool._forget(self)
@@ -320,6 +331,7 @@ class Pool:
         self._all: set[Connection] = set()
         self._opening = 0
         self._waiters: deque[asyncio.Future[Connection]] = deque()
+        self._handovers: set[asyncio.Task[Connection]] = set()
         self._closed = False
         self.host_line = f"host: {self.origin.host_header}\r\n".encode("latin-1")
 
@@ -334,7 +346,8 @@ class Pool:
     async def warm(self, count: int | None = None) -> int:
         """Open connections until `count` (default: limits.warm) are idle; return how many are idle."""
         want = min(self.limits.warm if count is None else count, self.limits.max_idle)
-        missing = want - len(self._idle)
+        room = self.limits.max_connections - len(self._all) - self._opening
+        missing = min(want - len(self._idle), room)
         if missing > 0:
             results = await asyncio.gather(*(self._open() for _ in range(missing)), return_exceptions=True)
             for result in results:
@@ -374,16 +387,15 @@ class Pool:
                 body,
             )
         )
-        conn = await self._acquire()
-        try:
-            return await self._exchange(conn, data)
-        except RemoteProtocolError:
-            # A reused connection the upstream had already closed, before it answered a byte: the request
-            # never reached the application, so one more try on a fresh connection is safe.
-            if not (conn.reused and not conn.got_bytes):
-                raise
-        conn = await self._open()
-        return await self._exchange(conn, data)
+        while True:
+            conn = await self._acquire()
+            try:
+                return await self._exchange(conn, data)
+            except RemoteProtocolError:
+                # A reused connection the upstream had already closed, before it answered a byte: the request
+                # never reached the application, so another try is safe. Each try uses up one such connection.
+                if not (conn.reused and not conn.got_bytes):
+                    raise
 
     async def _exchange(self, conn: Connection, data: bytes) -> Response:
         head = conn.send(data)
@@ -414,6 +426,11 @@ class Pool:
         timer = self.loop.call_later(self.limits.pool_timeout, self._pool_expired, waiter)
         try:
             return await waiter
+        except asyncio.CancelledError:
+            # Cancelled after a connection was handed over but before this task resumed: give it back.
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())
+            raise
         finally:
             timer.cancel()
 
@@ -423,11 +440,13 @@ class Pool:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
 
-    async def _open(self) -> Connection:
-        if self._closed:
-            raise ConnectError("pool is closed")
-        self._opening += 1
+    async def _open(self, reserved: bool = False) -> Connection:
+        """A new connection; `reserved` when the caller has already counted it in `_opening`."""
+        if not reserved:
+            self._opening += 1
         try:
+            if self._closed:
+                raise ConnectError("pool is closed")
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
                     lambda: Connection(self),
@@ -444,6 +463,11 @@ class Pool:
             raise ConnectError(f"cannot connect to {self.origin.host_header}: {exc}") from exc
         finally:
             self._opening -= 1
+        if self._closed:
+            conn.abort()
+            raise ConnectError("pool is closed")
+        if conn.closed:  # the upstream accepted and closed at once; it would never answer on this one
+            raise ConnectError(f"connection to {self.origin.host_header} closed as it opened")
         self._all.add(conn)
         return conn
 
@@ -464,15 +488,21 @@ class Pool:
         self._idle.append(conn)
 
     def _forget(self, conn: Connection) -> None:
-        self._all.discard(conn)
+        # Called by abort() and again by connection_lost(): only the first call frees a slot.
+        if conn not in self._all:
+            return
+        self._all.remove(conn)
         with contextlib.suppress(ValueError):
             self._idle.remove(conn)
-        # A slot opened: a waiter may now open a fresh connection.
-        if self._waiters and not self._closed:
+        # A slot opened: the first waiter still waiting may now open a fresh connection.
+        while self._waiters and not self._closed:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                task = self.loop.create_task(self._open())
-                task.add_done_callback(lambda t, w=waiter: _hand_over(t, w, self))
+                self._opening += 1  # counted now, so that no other request takes the slot meanwhile
+                task = self.loop.create_task(self._open(reserved=True))
+                self._handovers.add(task)
+                task.add_done_callback(functools.partial(_hand_over, waiter=waiter, pool=self))
+                return
 
     async def aclose(self) -> None:
         self._closed = True
@@ -482,9 +512,15 @@ class Pool:
             if not waiter.done():
                 waiter.set_exception(ConnectError("pool is closed"))
         self._waiters.clear()
+        for task in list(self._handovers):
+            task.cancel()
+        await asyncio.gather(*self._handovers, return_exceptions=True)
+        # One turn of the loop runs the transports' connection_lost, which closes their sockets.
+        await asyncio.sleep(0)
 
 
 def _hand_over(task: asyncio.Task[Connection], waiter: asyncio.Future[Connection], pool: Pool) -> None:
+    pool._handovers.discard(task)
     if task.cancelled():
         if not waiter.done():
             waiter.cancel()

@@ -7,6 +7,7 @@ import logging
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.settings import Settings
+from gateway.store import Store
 from gateway.upstream import Upstreams
 
 log = logging.getLogger("sluice")
@@ -16,13 +17,15 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.upstreams = Upstreams(settings)
+        # One Redis client per process, shared by every plugin that keeps state across processes.
+        self.store = Store(settings.redis.url) if settings.redis.url else None
         self.plugins: list[Plugin] = [load_class(name)(settings) for name in settings.plugins]
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins)
         self.started = False
 
     async def start(self) -> None:
         await self.upstreams.start()
-        for startup in hooks(self.plugins, "startup"):
+        for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
         self.started = True
 
@@ -31,9 +34,11 @@ class Runtime:
         return self.started and self.upstreams.ready
 
     async def aclose(self) -> None:
-        for shutdown in reversed(hooks(self.plugins, "shutdown")):
+        for name, shutdown in reversed(hooks(self.plugins, "shutdown")):
             try:
                 await shutdown()
             except Exception:
-                log.exception("plugin %s: shutdown failed", shutdown.__self__.name)
+                log.exception("plugin %s: shutdown failed", name)
         await self.upstreams.aclose()
+        if self.store is not None:
+            await self.store.aclose()

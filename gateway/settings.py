@@ -110,13 +110,22 @@ class ModelSettings(Strict):
     max_hedge_ratio: float = Field(0.1, ge=0, le=1)
 
 
-class RateLimitSettings(Strict):
+class Limits(Strict):
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
 
 
+class RateLimitSettings(Limits):
+    models: dict[str, Limits] = {}  # per tenant and model, on top of the tenant-wide limits
+
+
+class RateLimiterSettings(Strict):
+    # Tokens reserved at admission for a request that sets no max_tokens; corrected from usage afterwards.
+    default_max_tokens: int = Field(1024, ge=1)
+
+
 class TenantSettings(Strict):
-    keys: list[str] = []
+    keys: list[Annotated[str, Field(pattern=r"^sha256:[0-9a-fA-F]{64}$")]] = []
     models: list[str] | None = None  # None: every model
     rate_limit: RateLimitSettings = RateLimitSettings()
 
@@ -154,6 +163,7 @@ class Settings(Strict):
     tenants: dict[str, TenantSettings] = {}
     redis: RedisSettings = RedisSettings()
     auth: AuthSettings = AuthSettings()
+    rate_limit: RateLimiterSettings = RateLimiterSettings()
     cache: CacheSettings = CacheSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     limits: LimitSettings = LimitSettings()

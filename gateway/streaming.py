@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway import errors
-from gateway.pool import PoolError
 from gateway.plugin import Outcome, Tap
+from gateway.pool import PoolError
 
 if TYPE_CHECKING:
-    from gateway.providers.base import UpstreamResponse
     from starlette.types import Send
+
+    from gateway.providers.base import UpstreamResponse
 
 # The first chunk that carries output: text, a tool call or its arguments. Azure's preamble (empty
 # choices, prompt_filter_results) and the role-only first delta do not match.

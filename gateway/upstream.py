@@ -106,8 +106,13 @@ class Upstreams:
                 if index == last or not _retryable(exc):
                     raise
                 failure = exc
-                log.info("model %s on %s failed (%s); trying %s", target.model, target.backend, exc.status,
-                         targets[index + 1].model)
+                log.info(
+                    "model %s on %s failed (%s); trying %s",
+                    target.model,
+                    target.backend,
+                    exc.status,
+                    targets[index + 1].model,
+                )
                 continue
             finally:
                 ex.upstream_ms += (time.perf_counter() - started) * 1000.0

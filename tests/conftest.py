@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.gateway import RunningGateway, gateway_thread
+from tests.support.redis import RedisServer
 
 QUICKSTART = """
 backends:
@@ -24,3 +25,10 @@ def quickstart() -> Iterator[RunningGateway]:
     """The gateway on a simulated backend, shared by the tests that only read from it."""
     with gateway_thread(QUICKSTART) as gw:
         yield gw
+
+
+@pytest.fixture()
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh redis-server for one test (tests may kill and restart it)."""
+    with RedisServer() as server:
+        yield server

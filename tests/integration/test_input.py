@@ -93,9 +93,7 @@ def test_gzip_body_is_decompressed(quickstart: RunningGateway) -> None:
 def test_gzip_bomb_is_413_not_memory(quickstart: RunningGateway) -> None:
     bomb = gzip.compress(b"{" + b" " * (50 * 1024 * 1024) + b"}")
     assert len(bomb) < 65536
-    response = httpx.post(
-        f"{quickstart.base_url}/chat/completions", content=bomb, headers={"content-encoding": "gzip"}
-    )
+    response = httpx.post(f"{quickstart.base_url}/chat/completions", content=bomb, headers={"content-encoding": "gzip"})
     assert_error(response, 413)
 
 

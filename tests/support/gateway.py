@@ -51,8 +51,16 @@ def gateway_thread(config: str) -> Iterator[RunningGateway]:
     port = free_port()
     app = create_app(parse(config, "<test config>"))
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, loop="none", http="httptools", lifespan="on",
-                       access_log=False, log_level="warning")
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            loop="none",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level="warning",
+        )
     )
 
     def run() -> None:
@@ -82,8 +90,19 @@ def gateway_process(config: str, tmp: Path, *args: str, env: dict[str, str] | No
     path = tmp / f"gateway-{port}.yaml"
     path.write_text(config)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--port", str(port), "--log-level", "warning",
-         *args],
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "-c",
+            str(path),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *args,
+        ],
         env={**os.environ, **(env or {})},
     )
     running = RunningGateway(port)

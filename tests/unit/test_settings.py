@@ -39,8 +39,10 @@ def test_env_default_and_missing(monkeypatch: pytest.MonkeyPatch) -> None:
         ("backends: {s: {type: simulated, ttft: 3}}\nmodels: {m: {backend: s}}", "backends.s.ttft: unknown key"),
         ("backends: {s: {type: nope}}\nmodels: {m: {backend: s}}", "backends.s"),
         ("backends: {s: {type: openai, base_url: ftp://x}}\nmodels: {m: {backend: s}}", "base_url must start"),
-        ("backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\npool: {max_connections: 0}",
-         "pool.max_connections"),
+        (
+            "backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\npool: {max_connections: 0}",
+            "pool.max_connections",
+        ),
         ("backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\ntypo: 1", "typo: unknown key"),
         ("- a list", "top level must be a mapping"),
         ("a: [unclosed", "not valid YAML"),

@@ -1,0 +1,74 @@
+"""`sluice keys`: make gateway keys and manage the Redis key store that the auth plugin reads.
+
+A key is shown once, when made; only its sha256 is ever stored. Changes are published on the
+`sluice:keys` channel so that every gateway process drops its cached entry at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sys
+
+import orjson
+import redis
+
+KEYS_HASH = "sluice:keys"
+CHANNEL = "sluice:keys"
+PREFIX = "sk-sluice-"
+
+
+def new_key() -> tuple[str, str]:
+    key = PREFIX + secrets.token_urlsafe(32)
+    return key, "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def hex_digest(key: str | None, hashed: str | None) -> str:
+    if key:
+        return hashlib.sha256(key.encode()).hexdigest()
+    if hashed:
+        value = hashed.removeprefix("sha256:").lower()
+        if len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+            return value
+    sys.exit("sluice keys: give --key KEY or --hash sha256:<64 hex digits>")
+
+
+def client(url: str) -> redis.Redis:
+    if not url:
+        sys.exit("sluice keys: no Redis configured: pass --redis URL or a config with redis.url")
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+
+def new(tenant: str) -> None:
+    key, hashed = new_key()
+    print(f"key:    {key}")
+    print(f"hash:   {hashed}")
+    print(f"tenant: {tenant}")
+    print(
+        "Keep the key secret; it is not stored anywhere. Put the hash in tenants.<name>.keys, or run "
+        "`sluice keys add --tenant NAME --hash HASH` to add it to Redis."
+    )
+
+
+def add(url: str, tenant: str, hexdigest: str, models: list[str] | None) -> None:
+    record = {"tenant": tenant, "models": models}
+    with client(url) as r:
+        r.hset(KEYS_HASH, hexdigest, orjson.dumps(record))
+        r.publish(CHANNEL, hexdigest)
+    print(f"added sha256:{hexdigest[:8]}... for tenant {tenant}")
+
+
+def revoke(url: str, hexdigest: str) -> None:
+    with client(url) as r:
+        removed = r.hdel(KEYS_HASH, hexdigest)
+        r.publish(CHANNEL, hexdigest)
+    print(f"revoked sha256:{hexdigest[:8]}..." if removed else f"sha256:{hexdigest[:8]}... was not in the store")
+
+
+def list_keys(url: str) -> None:
+    with client(url) as r:
+        entries = r.hgetall(KEYS_HASH)
+    for field, value in sorted(entries.items()):
+        record = orjson.loads(value)
+        models = ",".join(record.get("models") or []) or "*"
+        print(f"sha256:{field.decode()[:8]}...  tenant={record.get('tenant')}  models={models}")

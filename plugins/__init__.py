@@ -1,0 +1,1 @@
+"""Optional pipeline stages, each one module: auth, rate_limit, cache, slo."""

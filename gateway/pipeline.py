@@ -99,10 +99,12 @@ class Pipeline:
             watcher.cancel()
             if outcome.ttft_ms is None and outcome.complete and not ex.stream:
                 outcome.ttft_ms = outcome.total_ms
-        if self.on_complete:
-            job = asyncio.get_running_loop().create_task(self._complete(ex, outcome))
-            self._background.add(job)
-            job.add_done_callback(self._background.discard)
+            # Plugins hear of every request that reached them, however it ended (a leader that fails
+            # must still release the requests following it).
+            if self.on_complete:
+                job = asyncio.get_running_loop().create_task(self._complete(ex, outcome))
+                self._background.add(job)
+                job.add_done_callback(self._background.discard)
 
     async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
         reply: Reply | None = None

@@ -153,6 +153,10 @@ class Response:
         """Stop reading. A response whose body is not complete takes its connection down with it."""
         if self._error is None and not self.complete:
             self._fail(ResponseClosed("response closed before its end"))
+        if not self.complete:
+            # Never readable now: free what is buffered instead of holding it as long as the response lives.
+            self._chunks.clear()
+            self._buffered = 0
         conn = self._conn
         self._conn = None
         if conn is not None and conn.current is self:
@@ -207,8 +211,8 @@ class Connection(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, though they behave as one.
+        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True

@@ -100,6 +100,27 @@ class SloSettings(Strict):
     min_samples: int = Field(20, ge=1)
 
 
+CacheMode = Literal["deterministic", "always", "off"]
+
+
+class CacheSettings(Strict):
+    ttl_s: float = Field(3600.0, gt=0)
+    l1_entries: int = Field(10000, ge=0)
+    l1_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    max_entry_bytes: int = Field(1024 * 1024, ge=1)  # larger answers are not stored
+    mode: CacheMode = "deterministic"
+    max_followers: int = Field(256, ge=0)  # identical in-flight requests sharing one upstream call
+    follower_wait_s: float = Field(30.0, gt=0)  # how long a follower waits for the leader's first byte
+
+
+class ModelCache(Strict):
+    """Per-model overrides of the cache policy."""
+
+    mode: CacheMode | None = None
+    ttl_s: float | None = Field(None, gt=0)
+    shared: bool = False  # entries shared by all tenants (only for models whose answers are not private)
+
+
 class ModelSettings(Strict):
     backend: str
     upstream_model: str | None = None  # default: the public name
@@ -108,6 +129,7 @@ class ModelSettings(Strict):
     slo: SloSettings | None = None
     hedge_after_ms: float | None = Field(None, gt=0)
     max_hedge_ratio: float = Field(0.1, ge=0, le=1)
+    cache: ModelCache = ModelCache()
 
 
 class Limits(Strict):
@@ -137,12 +159,6 @@ class RedisSettings(Strict):
 class AuthSettings(Strict):
     required: bool = True
     cache_ttl_s: float = Field(30.0, gt=0)
-
-
-class CacheSettings(Strict):
-    ttl_s: float = Field(3600.0, gt=0)
-    l1_entries: int = Field(10000, ge=0)
-    mode: Literal["deterministic", "always", "off"] = "deterministic"
 
 
 class TelemetrySettings(Strict):

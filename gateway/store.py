@@ -1,7 +1,8 @@
 """The shared Redis client, behind a circuit breaker, for the plugins that keep state across processes.
 
-Redis is an accelerator here, never a dependency of answering: every call has a short timeout and no
-retries (redis-py 8 would otherwise retry ten times with back-off, seconds of latency when Redis is down),
+Redis is an accelerator here, never a dependency of answering: every call has a short timeout and at most
+one immediate retry on a broken connection (redis-py 8 would otherwise retry ten times with back-off,
+seconds of latency when Redis is down),
 and after a failure the breaker stays open for a cool-down, during which calls fail at once with
 `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
 recovery are logged once each; failures are counted for the metrics.
@@ -17,7 +18,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError, RedisError
 
 log = logging.getLogger("sluice.store")
 
@@ -43,7 +44,9 @@ class Store:
             url,
             socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            # One immediate retry, for connection errors only: it replaces a pooled connection that Redis
+            # closed (a restart) at the cost of one refused connect; a slow Redis is never waited on twice.
+            retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
             max_connections=max_connections,
             health_check_interval=30,
         )

@@ -59,6 +59,8 @@ def gateway_thread(config: str) -> Iterator[RunningGateway]:
             http="httptools",
             lifespan="on",
             access_log=False,
+            proxy_headers=False,
+            server_header=False,
             log_level="warning",
         )
     )

@@ -1,0 +1,168 @@
+"""Completions in both wire forms: assemble a streamed answer into one object, replay one as a stream.
+
+Used off the hot path only (after a response has ended, or to answer from a stored entry). A stream
+assembles only when it really ended: `[DONE]` seen and every choice has its finish reason; anything
+else returns None, so a truncated answer can never pass for a whole one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+DONE_EVENT = b"data: [DONE]\n\n"
+# Replayed content goes out in pieces of about this many characters: the client's stream parser and any
+# UI see a stream, and the whole replay still fits in one write.
+PIECE = 64
+
+
+def events(body: bytes) -> tuple[list[dict[str, Any]], bool]:
+    """The JSON events of an SSE body, and whether it ended with [DONE]."""
+    found: list[dict[str, Any]] = []
+    done = False
+    for line in body.splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            done = True
+            continue
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            found.append(event)
+    return found, done
+
+
+def assemble(endpoint: str, body: bytes) -> dict[str, Any] | None:
+    """The whole answer a complete SSE body adds up to, in the non-stream shape; None if incomplete."""
+    chunks, done = events(body)
+    if not done or not chunks or any("error" in chunk for chunk in chunks):
+        return None
+    chat = endpoint == "chat/completions"
+    head: dict[str, Any] = {}
+    choices: dict[int, dict[str, Any]] = {}
+    usage = None
+    for chunk in chunks:
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for key in ("id", "created", "model", "system_fingerprint", "service_tier"):
+            if chunk.get(key) and key not in head:
+                head[key] = chunk[key]
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            into = choices.setdefault(index, {"index": index, "parts": [], "tools": {}, "finish_reason": None})
+            if choice.get("finish_reason"):
+                into["finish_reason"] = choice["finish_reason"]
+            if chat:
+                _merge_delta(into, choice.get("delta") or {})
+            elif choice.get("text"):
+                into["parts"].append(choice["text"])
+    if not choices or any(c["finish_reason"] is None for c in choices.values()):
+        return None
+    result: dict[str, Any] = {
+        "id": head.get("id", ""),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": head.get("created", 0),
+        "model": head.get("model", ""),
+        "choices": [_finish(choices[i], chat) for i in sorted(choices)],
+        "usage": usage,
+    }
+    for key in ("system_fingerprint", "service_tier"):
+        if key in head:
+            result[key] = head[key]
+    return result
+
+
+def _merge_delta(into: dict[str, Any], delta: dict[str, Any]) -> None:
+    if delta.get("content"):
+        into["parts"].append(delta["content"])
+    if delta.get("refusal"):
+        into["refusal"] = into.get("refusal", "") + delta["refusal"]
+    for call in delta.get("tool_calls") or ():
+        slot = into["tools"].setdefault(
+            call.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if call.get("id"):
+            slot["id"] = call["id"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            slot["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            slot["function"]["arguments"] += function["arguments"]
+
+
+def _finish(choice: dict[str, Any], chat: bool) -> dict[str, Any]:
+    text = "".join(choice["parts"])
+    if not chat:
+        return {"text": text, "index": choice["index"], "logprobs": None, "finish_reason": choice["finish_reason"]}
+    message: dict[str, Any] = {"role": "assistant", "content": text or None, "refusal": choice.get("refusal")}
+    if choice["tools"]:
+        message["tool_calls"] = [choice["tools"][i] for i in sorted(choice["tools"])]
+    elif message["content"] is None:
+        message["content"] = ""
+    return {"index": choice["index"], "message": message, "logprobs": None, "finish_reason": choice["finish_reason"]}
+
+
+def replay(endpoint: str, answer: dict[str, Any], include_usage: bool) -> bytes:
+    """A stored answer as the SSE body a live stream of it would have been."""
+    chat = endpoint == "chat/completions"
+    head = {
+        "id": answer.get("id", ""),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": answer.get("created", 0),
+        "model": answer.get("model", ""),
+    }
+    if "system_fingerprint" in answer:
+        head["system_fingerprint"] = answer["system_fingerprint"]
+    out: list[bytes] = []
+
+    def emit(choices: list[dict[str, Any]], usage: Any = None) -> None:
+        chunk = {**head, "choices": choices}
+        if include_usage:
+            chunk["usage"] = usage
+        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+
+    for choice in answer.get("choices") or ():
+        index = choice.get("index", 0)
+        if chat:
+            message = choice.get("message") or {}
+            emit(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for piece in _pieces(message.get("content") or ""):
+                emit([{"index": index, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}])
+            for position, call in enumerate(message.get("tool_calls") or ()):
+                emit(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"tool_calls": [{"index": position, **call}]},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            emit([{"index": index, "delta": {}, "logprobs": None, "finish_reason": choice.get("finish_reason")}])
+        else:
+            for piece in _pieces(choice.get("text") or ""):
+                emit([{"text": piece, "index": index, "logprobs": None, "finish_reason": None}])
+            emit([{"text": "", "index": index, "logprobs": None, "finish_reason": choice.get("finish_reason")}])
+    if include_usage and answer.get("usage"):
+        emit([], answer["usage"])
+    out.append(DONE_EVENT)
+    return b"".join(out)
+
+
+def _pieces(text: str) -> list[str]:
+    return [text[i : i + PIECE] for i in range(0, len(text), PIECE)]

@@ -1,0 +1,327 @@
+"""cache: exact-prompt answers from memory (L1) or Redis (L2), in whichever form the client asked for.
+
+- Key: sha256 of the canonical JSON (sorted keys) of tenant, public model, endpoint and every request
+  field except the transport-only ones (`stream`, `stream_options`, `user`, `metadata`, `store`). Field
+  order and whitespace do not matter; unknown fields (vLLM's sampling extras) do. Tenants never share an
+  entry unless the model is configured `cache: {shared: true}`.
+- Policy per model: `deterministic` (the default: only temperature 0 or a seed), `always`, `off`.
+  `Cache-Control: no-cache` skips the lookup but stores the answer; `no-store` does neither.
+- Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]`. The stored
+  form is the assembled answer, written after the response has ended; it replays as JSON or as SSE.
+- Single flight: identical requests that arrive while the first is running share its upstream call.
+  Streaming followers get the leader's bytes as they arrive; if the leader fails before its first byte, one
+  follower takes over; after it, followers get the same error event. Bounded: `max_followers`,
+  `follower_wait_s`.
+- Redis down or slow: the shared Store's breaker skips L2 within milliseconds; L1 keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import orjson
+from cachetools import TTLCache
+
+from gateway import completion
+from gateway.errors import UpstreamError
+from gateway.plugin import Reply, Tap
+from gateway.store import Store, StoreUnavailable
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.plugin import Outcome, ResponseHead
+    from gateway.runtime import Runtime
+    from gateway.settings import Settings
+
+log = logging.getLogger("sluice.cache")
+
+KEY_PREFIX = "sluice:cache:v1:"
+TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+JSON_TYPE = (b"content-type", b"application/json")
+SSE_TYPE = (b"content-type", b"text/event-stream")
+HIT, MISS, BYPASS = b"hit", b"miss", b"bypass"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    always: bool
+    ttl_s: float
+    shared: bool
+
+
+@dataclass(slots=True)
+class Entry:
+    endpoint: str
+    served: str  # the model that produced the answer
+    answer: dict[str, Any]
+    json: bytes  # the answer serialised once, for JSON replays
+    size: int
+
+
+@dataclass(slots=True)
+class Lead:
+    """ex.state["cache"] of the request that goes upstream and fills the entry."""
+
+    key: str
+    policy: Policy
+    flight: Flight | None
+    store: bool
+
+
+class Flight:
+    """One upstream call in progress that identical requests may follow."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.chunks: list[bytes] = []
+        self.followers = 0
+        self.done = False  # the leader's answer ended, well or badly
+        self.entry: Entry | None = None  # set when it ended well and was stored
+        self.failed = False
+        self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def feed(self, chunk: bytes) -> None:
+        if chunk:
+            self.chunks.append(chunk)
+            self._wake()
+
+    def finish(self, entry: Entry | None, failed: bool) -> None:
+        self.done, self.entry, self.failed = True, entry, failed
+        self._wake()
+
+    def _wake(self) -> None:
+        changed = self._changed
+        if not changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+            changed.set_result(None)
+
+    async def changed(self, timeout: float) -> bool:
+        """Wait for the next chunk or the end; False on timeout."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def follow(self) -> AsyncIterator[bytes]:
+        """The leader's stream from its start, then live; an error event if it breaks off."""
+        sent = 0
+        while True:
+            while sent < len(self.chunks):
+                yield self.chunks[sent]
+                sent += 1
+            if self.done:
+                if self.failed:
+                    yield UpstreamError("the shared upstream answer broke off").sse_event()
+                return
+            await asyncio.shield(self._changed)
+
+
+class Cache:
+    name: ClassVar[str] = "cache"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings.cache
+        base = settings.cache
+        self.policies: dict[str, Policy | None] = {}
+        for model, spec in settings.models.items():
+            mode = spec.cache.mode or base.mode
+            self.policies[model] = (
+                None
+                if mode == "off"
+                else Policy(always=mode == "always", ttl_s=spec.cache.ttl_s or base.ttl_s, shared=spec.cache.shared)
+            )
+        self.l1: TTLCache[str, Entry] = TTLCache(
+            maxsize=max(base.l1_bytes, 1), ttl=base.ttl_s, getsizeof=lambda entry: entry.size
+        )
+        self.flights: dict[str, Flight] = {}
+        self.store: Store | None = None
+        self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def startup(self, runtime: Runtime) -> None:
+        self.store = runtime.store
+
+    async def shutdown(self) -> None:
+        for task in list(self._writes):
+            with contextlib.suppress(Exception):
+                await task
+
+    # on_request: look up, follow, or lead
+
+    async def on_request(self, ex: Exchange) -> Reply | None:
+        policy = self.policies.get(ex.model)
+        control = ex.header(b"cache-control") or b""
+        if policy is None or b"no-store" in control or not (policy.always or _deterministic(ex)):
+            self._bypass(ex)
+            return None
+        key = self.key(ex, policy)
+        if b"no-cache" not in control:
+            entry = self.l1.get(key)
+            if entry is None:
+                entry = await self._l2_get(key)
+            else:
+                self.stats["hit_l1"] += 1
+            if entry is not None:
+                ex.state["cache"] = HIT
+                return self._replay(ex, entry)
+        while True:
+            flight = self.flights.get(key)
+            if flight is None or flight.followers >= self.settings.max_followers:
+                break
+            reply = await self._follow(ex, flight)
+            if reply is not None:
+                return reply
+            if self.flights.get(key) is flight:  # the leader is still running: we waited long enough
+                ex.state["cache"] = Lead(key, policy, None, store=False)
+                self.stats["miss"] += 1
+                return None
+        flight = None if key in self.flights else Flight(ex.stream)
+        if flight is not None:
+            self.flights[key] = flight
+        ex.state["cache"] = Lead(key, policy, flight, store=True)
+        self.stats["miss"] += 1
+        return None
+
+    def _bypass(self, ex: Exchange) -> None:
+        ex.state["cache"] = BYPASS
+        self.stats["bypass"] += 1
+
+    def key(self, ex: Exchange, policy: Policy) -> str:
+        fields = {k: v for k, v in ex.json.items() if k not in TRANSPORT_ONLY}
+        scope = "*" if policy.shared else ex.tenant
+        material = orjson.dumps([scope, ex.model, ex.endpoint, fields], option=orjson.OPT_SORT_KEYS)
+        return KEY_PREFIX + hashlib.sha256(material).hexdigest()
+
+    async def _follow(self, ex: Exchange, flight: Flight) -> Reply | None:
+        """Share `flight`'s answer; None when the leader failed before answering (then lead ourselves)."""
+        flight.followers += 1
+        try:
+            wait = self.settings.follower_wait_s
+            while not flight.chunks and not flight.done:
+                if not await flight.changed(wait):
+                    return None
+            if flight.stream and ex.stream and flight.chunks and not (flight.done and flight.failed):
+                ex.state["cache"] = HIT
+                self.stats["followed"] += 1
+                return Reply(headers=[SSE_TYPE], stream=flight.follow(), source="cache")
+            while not flight.done:
+                if not await flight.changed(wait):
+                    return None
+            if flight.entry is None:
+                return None
+            ex.state["cache"] = HIT
+            self.stats["followed"] += 1
+            return self._replay(ex, flight.entry)
+        finally:
+            flight.followers -= 1
+
+    def _replay(self, ex: Exchange, entry: Entry) -> Reply:
+        headers = [(b"x-sluice-model", entry.served.encode())]
+        if ex.stream:
+            options = ex.json.get("stream_options")
+            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            body = completion.replay(entry.endpoint, entry.answer, include_usage)
+            return Reply(headers=[SSE_TYPE, *headers], body=body, source="cache")
+        return Reply(headers=[JSON_TYPE, *headers], body=entry.json, source="cache")
+
+    async def _l2_get(self, key: str) -> Entry | None:
+        if self.store is None:
+            return None
+        try:
+            raw = await self.store.call(lambda r: r.get(key))
+        except StoreUnavailable:
+            return None
+        if raw is None:
+            return None
+        try:
+            stored = orjson.loads(raw)
+            entry = _entry(stored["endpoint"], stored["served"], stored["answer"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return None
+        self.stats["hit_l2"] += 1
+        self.l1[key] = entry
+        return entry
+
+    # on_response / on_complete: collect what the leader got, store it if it is whole
+
+    async def on_response(self, ex: Exchange, head: ResponseHead) -> Tap | None:
+        state = ex.state.get("cache", BYPASS)
+        if isinstance(state, Lead):
+            head.headers.append((b"x-sluice-cache", MISS))
+            if head.status == 200 and (state.store or state.flight is not None):
+                if state.flight is None:
+                    state.flight = Flight(ex.stream)  # a private collector: nobody follows it
+                return state.flight.feed
+            return None
+        head.headers.append((b"x-sluice-cache", state))
+        return None
+
+    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+        state = ex.state.get("cache")
+        if not isinstance(state, Lead):
+            return
+        entry = None
+        flight = state.flight
+        whole = outcome.complete and outcome.status == 200 and outcome.source == "upstream"
+        if flight is not None and whole:
+            entry = self._assemble(ex, flight.chunks)
+        if flight is not None and self.flights.get(state.key) is flight:
+            del self.flights[state.key]
+        if flight is not None:
+            flight.finish(entry, failed=not whole)
+        if entry is not None and state.store:
+            self._store(state.key, entry, state.policy.ttl_s)
+
+    def _assemble(self, ex: Exchange, chunks: list[bytes]) -> Entry | None:
+        body = b"".join(chunks)
+        if len(body) > self.settings.max_entry_bytes * 4:
+            return None
+        try:
+            answer = completion.assemble(ex.endpoint, body) if ex.stream else orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(answer, dict) or "error" in answer:
+            return None
+        if ex.endpoint != "embeddings" and not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
+            return None
+        served = ex.served.model if ex.served is not None else ex.model
+        entry = _entry(ex.endpoint, served, answer)
+        return entry if entry.size <= self.settings.max_entry_bytes else None
+
+    def _store(self, key: str, entry: Entry, ttl_s: float) -> None:
+        if len(self.l1) >= self.settings.l1_entries > 0:
+            self.l1.popitem()
+        if self.settings.l1_entries > 0:
+            self.l1[key] = entry
+        self.stats["stored"] += 1
+        if self.store is not None:
+            record = orjson.dumps({"endpoint": entry.endpoint, "served": entry.served, "answer": entry.answer})
+            task = asyncio.get_running_loop().create_task(self._l2_set(key, record, ttl_s))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _l2_set(self, key: str, record: bytes, ttl_s: float) -> None:
+        assert self.store is not None
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.call(lambda r: r.set(key, record, px=int(ttl_s * 1000)))
+
+
+def _entry(endpoint: str, served: str, answer: dict[str, Any]) -> Entry:
+    data = orjson.dumps(answer)
+    return Entry(endpoint, served, answer, data, len(data) + 256)
+
+
+def _deterministic(ex: Exchange) -> bool:
+    if ex.endpoint == "embeddings":
+        return True
+    body = ex.json
+    temperature = body.get("temperature")
+    seed = body.get("seed")
+    return temperature == 0 or (isinstance(seed, int) and not isinstance(seed, bool))

@@ -28,10 +28,13 @@ class Target:
 
 class Exchange:
     __slots__ = (
+        "attempts",
         "body",
         "endpoint",
         "fallback",
         "headers",
+        "hedge_after_ms",
+        "hedged",
         "json",
         "model",
         "request_id",
@@ -67,6 +70,9 @@ class Exchange:
         self.targets: list[Target] = []
         self.served: Target | None = None
         self.fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge
+        self.hedge_after_ms: float | None = None  # set by a routing plugin to race the next target
+        self.hedged = False
+        self.attempts: list[tuple[str, float, int]] = []  # (model, ms, status; 0 = served) per upstream try
         self.traceparent: bytes | None = None
         self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
         self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head

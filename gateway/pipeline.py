@@ -2,7 +2,8 @@
 
     1 parse     ASGI request -> Exchange (request.py), targets = the model's chain
     2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects
-    3 upstream  upstream.open(): targets tried in order until one gives its first chunk
+    3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
+                plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
     5 body      the relay (streaming.py), or the whole body / the plugin's reply
     6 complete  plugins' on_complete, scheduled after the last byte: never delays the client
@@ -46,6 +47,7 @@ class Pipeline:
         self.chains = upstreams.chains
         self.max_body = settings.limits.max_body_bytes
         self.on_request = hooks(plugins, "on_request")
+        self.on_failure = hooks(plugins, "on_failure")
         self.on_response = hooks(plugins, "on_response")
         self.on_complete = hooks(plugins, "on_complete")
         self._background: set[asyncio.Task[None]] = set()
@@ -117,8 +119,14 @@ class Pipeline:
                 if reply is not None:
                     break
             if reply is None:
-                opened = await self.upstreams.open(ex)
-                ex.timings.append(("upstream", ex.upstream_ms))
+                try:
+                    opened = await self.upstreams.open(ex)
+                except errors.GatewayError as exc:
+                    reply = await self._rescue(ex, exc)
+                    if reply is None:
+                        raise
+                finally:
+                    ex.timings.append(("upstream", ex.upstream_ms))
         except errors.GatewayError as exc:
             outcome.error = exc.message
             reply = Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
@@ -163,12 +171,22 @@ class Pipeline:
         if opened is not None and ex.stream:
             try:
                 await send({"type": "http.response.start", "status": status, "headers": head.headers})
-                await relay_stream(send, opened.response, opened.first, outcome, tuple(taps), ex.started)
+                await relay_stream(
+                    send, opened.response, opened.first, outcome, tuple(taps), ex.started, opened.token_at
+                )
             finally:
                 opened.response.close()
         else:
             await self._send_whole(send, head, opened, reply, outcome, tuple(taps))
         outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
+
+    async def _rescue(self, ex: Exchange, error: errors.GatewayError) -> Reply | None:
+        """Every target failed: a plugin may still answer (a stale cache entry) before the error goes out."""
+        for _, hook in self.on_failure:
+            reply: Reply | None = await hook(ex, error)
+            if reply is not None:
+                return reply
+        return None
 
     async def _send_whole(
         self,

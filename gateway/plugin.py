@@ -7,6 +7,8 @@ start-up, holding only the plugins that define it, so an unused hook costs nothi
 - `on_request(ex)`: the request is parsed, nothing has gone upstream. Return a `Reply` to answer now
   (a cache hit), raise `GatewayError` to reject (401, 429), or return None to go on. May reorder
   `ex.targets` (the SLO plugin does).
+- `on_failure(ex, error)`: every target failed with `error` (a GatewayError). Return a `Reply` to answer
+  anyway (a stale cache entry), or None to let the error go out.
 - `on_response(ex, head)`: status and headers are known, nothing is sent yet. May add headers. May return
   a `Tap`: a cheap synchronous callable given every body chunk as it passes (and b"" at the end); return
   one only when the bytes are needed, since it is the one per-chunk cost a plugin can add.

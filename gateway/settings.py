@@ -98,6 +98,10 @@ class SloSettings(Strict):
     max_error_rate: float = Field(0.05, ge=0, le=1)
     window_s: float = Field(30.0, gt=0)
     min_samples: int = Field(20, ge=1)
+    probe_ratio: float = Field(0.05, ge=0, le=1)  # share of traffic that keeps trying a degraded primary
+    cooldown_s: float = Field(10.0, ge=0)  # the least time spent degraded
+    recovery_samples: int = Field(5, ge=1)  # good probes in a row needed to return
+    recovery_margin: float = Field(0.8, gt=0, le=1)  # probes must beat the SLO by this factor (hysteresis)
 
 
 CacheMode = Literal["deterministic", "always", "off"]
@@ -108,6 +112,7 @@ class CacheSettings(Strict):
     l1_entries: int = Field(10000, ge=0)
     l1_bytes: int = Field(64 * 1024 * 1024, ge=0)
     max_entry_bytes: int = Field(1024 * 1024, ge=1)  # larger answers are not stored
+    stale_s: float = Field(3600.0, ge=0)  # how long past its TTL an entry may still answer when every target fails
     mode: CacheMode = "deterministic"
     max_followers: int = Field(256, ge=0)  # identical in-flight requests sharing one upstream call
     follower_wait_s: float = Field(30.0, gt=0)  # how long a follower waits for the leader's first byte
@@ -129,6 +134,8 @@ class ModelSettings(Strict):
     slo: SloSettings | None = None
     hedge_after_ms: float | None = Field(None, gt=0)
     max_hedge_ratio: float = Field(0.1, ge=0, le=1)
+    max_attempts: int | None = Field(None, ge=1)  # default: each target once
+    max_retry_wait_ms: float = Field(1000.0, ge=0)  # a longer retry-after is left to the client
     cache: ModelCache = ModelCache()
 
 
@@ -190,6 +197,10 @@ class Settings(Strict):
         for name, model in self.models.items():
             if model.backend not in self.backends:
                 raise ValueError(f"models.{name}.backend: no backend named {model.backend!r}")
+            if model.slo is not None and not model.fallback:
+                raise ValueError(f"models.{name}.slo: an SLO needs a fallback to degrade to")
+            if model.hedge_after_ms is not None and not model.fallback:
+                raise ValueError(f"models.{name}.hedge_after_ms: hedging needs a fallback to race")
             for other in model.fallback:
                 if other not in self.models:
                     raise ValueError(f"models.{name}.fallback: no model named {other!r}")

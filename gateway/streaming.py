@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 # The first chunk that carries output: text, a tool call or its arguments. Azure's preamble (empty
 # choices, prompt_filter_results) and the role-only first delta do not match.
-FIRST_TOKEN = re.compile(rb'"(?:content|text|arguments)":\s*"[^"]|"tool_calls":\s*\[\s*\{')
+FIRST_TOKEN = re.compile(
+    rb'"(?:content|text|arguments|reasoning_content|reasoning|refusal)":\s*"[^"]|"tool_calls":\s*\[\s*\{'
+)
 USAGE = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 DONE = b"data: [DONE]"
 
@@ -45,12 +47,17 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
 
 
 async def relay_stream(
-    send: Send, response: UpstreamResponse, first: bytes, outcome: Outcome, taps: tuple[Tap, ...], started: float
+    send: Send,
+    response: UpstreamResponse,
+    first: bytes,
+    outcome: Outcome,
+    taps: tuple[Tap, ...],
+    started: float,
+    first_token_at: float = 0.0,
 ) -> None:
     """Pass an SSE body through; fill in `outcome` (TTFT, TPOT, usage, completeness) as it goes."""
     chunk = first
     prev = prev2 = b""
-    first_token_at = 0.0
     last_at = 0.0
     chunks = 0
     try:

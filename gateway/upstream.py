@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from gateway.providers.openai import OpenAIProvider
 from gateway.providers.simulated import SimulatedProvider
 from gateway.providers.vllm import VLLMProvider
 from gateway.simulation import Profile
+from gateway.streaming import FIRST_TOKEN
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -38,10 +40,11 @@ PASSED_ON_ERROR = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry
 
 @dataclass(slots=True)
 class Opened:
-    """A committed upstream answer: its head, and the first body chunk already read."""
+    """A committed upstream answer: its head, and what of the body was read before committing."""
 
     response: UpstreamResponse
     first: bytes
+    token_at: float = 0.0  # perf_counter() when the first token was seen, if it was looked for
 
 
 def build_provider(name: str, settings: Settings) -> Provider:
@@ -94,40 +97,90 @@ class Upstreams:
         await asyncio.gather(*(p.aclose() for p in self.providers.values()), return_exceptions=True)
 
     async def open(self, ex: Exchange) -> Opened:
-        """The first target that answers; raises the last target's error when none does."""
+        """The first target that answers; raises the last failure when none does within the budget.
+
+        Targets are tried in order. Once each has been tried, a budget left over (`max_attempts`) goes round
+        again, after the last failure's `retry-after` (if it is short enough) or a jittered back-off.
+        """
         targets = ex.targets
-        last = len(targets) - 1
+        spec = self.targets[ex.model].settings
+        budget = spec.max_attempts or len(targets)
         failure: errors.GatewayError | None = None
-        for index, target in enumerate(targets):
+        index = 0
+        while index < budget:
+            target = targets[index % len(targets)]
+            if index >= len(targets):
+                assert failure is not None
+                wait = _retry_wait(failure, index // len(targets), spec.max_retry_wait_ms / 1000.0)
+                if wait is None:
+                    break
+                await asyncio.sleep(wait)
+            hedge = targets[index + 1] if ex.hedge_after_ms is not None and index + 1 < len(targets) else None
             started = time.perf_counter()
             try:
-                opened = await self._attempt(ex, target)
+                if hedge is None:
+                    opened = await self._attempt(ex, target)
+                else:
+                    opened, target = await self._hedged(ex, target, hedge, ex.hedge_after_ms or 0.0)
             except errors.GatewayError as exc:
-                if index == last or not _retryable(exc):
+                ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
+                if not _retryable(exc):
                     raise
                 failure = exc
-                log.info(
-                    "model %s on %s failed (%s); trying %s",
-                    target.model,
-                    target.backend,
-                    exc.status,
-                    targets[index + 1].model,
-                )
+                index += 2 if hedge is not None and ex.hedged else 1
+                log.info("model %s on %s failed (%s: %s)", target.model, target.backend, exc.status, exc.message)
                 continue
             finally:
                 ex.upstream_ms += (time.perf_counter() - started) * 1000.0
+            ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, 0))
             ex.served = target
-            if index > 0 and ex.fallback is None:
-                ex.fallback = "deadline" if isinstance(failure, errors.UpstreamTimeoutError) else "error"
+            if target is not targets[0] and ex.fallback is None:
+                if ex.hedged:
+                    ex.fallback = "hedge"
+                elif isinstance(failure, errors.UpstreamTimeoutError):
+                    ex.fallback = "deadline"
+                else:
+                    ex.fallback = "error"
             return opened
-        raise failure or errors.NotFoundError(f"no target for model {ex.model!r}")  # pragma: no cover
+        assert failure is not None
+        raise failure
 
-    async def _attempt(self, ex: Exchange, target: Target) -> Opened:
+    async def _hedged(self, ex: Exchange, first: Target, second: Target, after_ms: float) -> tuple[Opened, Target]:
+        """`first`, and `second` too if `first` has no first token after `after_ms`; the faster one wins."""
+        loop = asyncio.get_running_loop()
+        primary = loop.create_task(self._attempt(ex, first, until_token=True))
+        racing = {primary}
+        try:
+            done, _ = await asyncio.wait(racing, timeout=after_ms / 1000.0)
+            if done:
+                return primary.result(), first
+            ex.hedged = True
+            secondary = loop.create_task(self._attempt(ex, second, until_token=True))
+            racing.add(secondary)
+            failure: BaseException | None = None
+            while racing:
+                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is None:
+                        for other in done - {task}:
+                            if other.exception() is None:
+                                other.result().response.close()
+                        return task.result(), first if task is primary else second
+                    failure = task.exception()
+            assert failure is not None
+            raise failure
+        finally:
+            for task in racing:
+                task.cancel()  # the loser: _first closes its upstream request when cancelled
+                task.add_done_callback(_close_late_winner)
+
+    async def _attempt(self, ex: Exchange, target: Target, until_token: bool = False) -> Opened:
         deadline = target.settings.first_token_deadline_ms if ex.stream else None
+        until_token = ex.stream and (until_token or deadline is not None)
         try:
             if deadline is None:
-                return await self._first(ex, target)
-            return await asyncio.wait_for(self._first(ex, target), deadline / 1000.0)
+                return await self._first(ex, target, until_token)
+            return await asyncio.wait_for(self._first(ex, target, until_token), deadline / 1000.0)
         except TimeoutError:
             raise errors.UpstreamTimeoutError(
                 f"model {target.model!r}: no first token within {deadline:g} ms", code="first_token_deadline"
@@ -135,7 +188,7 @@ class Upstreams:
         except PoolError as exc:
             raise errors.from_pool_error(exc, target.backend) from None
 
-    async def _first(self, ex: Exchange, target: Target) -> Opened:
+    async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:
         response = await target.provider.send(ex, target)
         try:
             if response.status >= 400:
@@ -143,13 +196,44 @@ class Upstreams:
                 error = errors.from_upstream(response.status, body, target.backend)
                 error.headers = [(k, v) for k, v in response.headers if k in PASSED_ON_ERROR]
                 raise error
-            # A stream commits at its first chunk; a whole answer is read before anything is sent, so that a
-            # body cut short is still a clean 502 rather than a truncated 200.
-            first = await response.next_chunk() if ex.stream else await response.read()
+            if not ex.stream:
+                # A whole answer is read before anything is sent, so that a body cut short is still a clean
+                # 502 rather than a truncated 200.
+                return Opened(response, await response.read())
+            first = await response.next_chunk()
+            if not until_token:
+                return Opened(response, first)  # a stream commits at its first chunk
+            # With a deadline or a hedge the stream commits at its first token: a role-only chunk or Azure's
+            # preamble says nothing about whether the model is generating.
+            parts = [first]
+            while first and not FIRST_TOKEN.search(first):
+                first = await response.next_chunk()
+                parts.append(first)
+            return Opened(response, b"".join(parts), time.perf_counter() if first else 0.0)
         except BaseException:
             response.close()  # cancelled by the deadline, or failed: the upstream request ends here
             raise
-        return Opened(response, first)
+
+
+def _close_late_winner(task: asyncio.Task[Opened]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().response.close()
+
+
+def _retry_wait(failure: errors.GatewayError, round_: int, max_wait: float) -> float | None:
+    """Seconds to wait before trying targets again: the upstream's retry-after if short enough, else back-off."""
+    for name, value in failure.headers:
+        try:
+            if name == b"retry-after-ms":
+                advised = float(value) / 1000.0
+            elif name == b"retry-after":
+                advised = float(value)
+            else:
+                continue
+        except ValueError:
+            continue
+        return float(advised) + random.uniform(0.0, 0.05) if advised <= max_wait else None
+    return min(max_wait, 0.1 * 2.0 ** (round_ - 1)) * random.uniform(0.5, 1.0)
 
 
 def _retryable(exc: errors.GatewayError) -> bool:

@@ -13,6 +13,8 @@
   follower takes over; after it, followers get the same error event. Bounded: `max_followers`,
   `follower_wait_s`.
 - Redis down or slow: the shared Store's breaker skips L2 within milliseconds; L1 keeps serving.
+- Stale answers: an entry outlives its TTL by `stale_s`; it is never served as a hit then, but when every
+  target has failed (`on_failure`) it answers instead of the error, marked `x-sluice-cache: stale`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
-from cachetools import TTLCache
+from cachetools import TLRUCache
 
 from gateway import completion
 from gateway.errors import UpstreamError
@@ -45,7 +48,7 @@ KEY_PREFIX = "sluice:cache:v1:"
 TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
-HIT, MISS, BYPASS = b"hit", b"miss", b"bypass"
+HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,12 @@ class Entry:
     answer: dict[str, Any]
     json: bytes  # the answer serialised once, for JSON replays
     size: int
+    fresh_until: float  # wall-clock seconds: a hit until then, only a stale rescue after
+    expires: float  # wall-clock seconds: gone after
+
+    @property
+    def fresh(self) -> bool:
+        return time.time() < self.fresh_until
 
 
 @dataclass(slots=True)
@@ -137,8 +146,12 @@ class Cache:
                 if mode == "off"
                 else Policy(always=mode == "always", ttl_s=spec.cache.ttl_s or base.ttl_s, shared=spec.cache.shared)
             )
-        self.l1: TTLCache[str, Entry] = TTLCache(
-            maxsize=max(base.l1_bytes, 1), ttl=base.ttl_s, getsizeof=lambda entry: entry.size
+        self.stale_s = base.stale_s
+        self.l1: TLRUCache[str, Entry] = TLRUCache(
+            maxsize=max(base.l1_bytes, 1),
+            ttu=lambda _key, entry, _now: entry.expires,
+            timer=time.time,
+            getsizeof=lambda entry: entry.size,
         )
         self.flights: dict[str, Flight] = {}
         self.store: Store | None = None
@@ -166,9 +179,9 @@ class Cache:
             entry = self.l1.get(key)
             if entry is None:
                 entry = await self._l2_get(key)
-            else:
+            elif entry.fresh:
                 self.stats["hit_l1"] += 1
-            if entry is not None:
+            if entry is not None and entry.fresh:
                 ex.state["cache"] = HIT
                 return self._replay(ex, entry)
         while True:
@@ -242,12 +255,25 @@ class Cache:
             return None
         try:
             stored = orjson.loads(raw)
-            entry = _entry(stored["endpoint"], stored["served"], stored["answer"])
+            entry = _entry(stored["endpoint"], stored["served"], stored["answer"], stored["fresh_until"], self.stale_s)
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return None
-        self.stats["hit_l2"] += 1
+        if entry.fresh:
+            self.stats["hit_l2"] += 1
         self.l1[key] = entry
         return entry
+
+    async def on_failure(self, ex: Exchange, error: Exception) -> Reply | None:
+        """Every target failed: an entry past its TTL is better than an error."""
+        state = ex.state.get("cache")
+        if not isinstance(state, Lead):
+            return None
+        entry = self.l1.get(state.key) or await self._l2_get(state.key)
+        if entry is None:
+            return None
+        log.info("serving a stale answer for %s: %s", ex.model, error)
+        ex.state["cache"] = STALE
+        return self._replay(ex, entry)
 
     # on_response / on_complete: collect what the leader got, store it if it is whole
 
@@ -271,15 +297,15 @@ class Cache:
         flight = state.flight
         whole = outcome.complete and outcome.status == 200 and outcome.source == "upstream"
         if flight is not None and whole:
-            entry = self._assemble(ex, flight.chunks)
+            entry = self._assemble(ex, flight.chunks, state.policy.ttl_s)
         if flight is not None and self.flights.get(state.key) is flight:
             del self.flights[state.key]
         if flight is not None:
             flight.finish(entry, failed=not whole)
         if entry is not None and state.store:
-            self._store(state.key, entry, state.policy.ttl_s)
+            self._store(state.key, entry)
 
-    def _assemble(self, ex: Exchange, chunks: list[bytes]) -> Entry | None:
+    def _assemble(self, ex: Exchange, chunks: list[bytes], ttl_s: float) -> Entry | None:
         body = b"".join(chunks)
         if len(body) > self.settings.max_entry_bytes * 4:
             return None
@@ -292,17 +318,25 @@ class Cache:
         if ex.endpoint != "embeddings" and not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
             return None
         served = ex.served.model if ex.served is not None else ex.model
-        entry = _entry(ex.endpoint, served, answer)
+        entry = _entry(ex.endpoint, served, answer, time.time() + ttl_s, self.stale_s)
         return entry if entry.size <= self.settings.max_entry_bytes else None
 
-    def _store(self, key: str, entry: Entry, ttl_s: float) -> None:
+    def _store(self, key: str, entry: Entry) -> None:
         if len(self.l1) >= self.settings.l1_entries > 0:
             self.l1.popitem()
         if self.settings.l1_entries > 0:
             self.l1[key] = entry
         self.stats["stored"] += 1
         if self.store is not None:
-            record = orjson.dumps({"endpoint": entry.endpoint, "served": entry.served, "answer": entry.answer})
+            record = orjson.dumps(
+                {
+                    "endpoint": entry.endpoint,
+                    "served": entry.served,
+                    "answer": entry.answer,
+                    "fresh_until": entry.fresh_until,
+                }
+            )
+            ttl_s = max(entry.expires - time.time(), 0.001)
             task = asyncio.get_running_loop().create_task(self._l2_set(key, record, ttl_s))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
@@ -313,9 +347,9 @@ class Cache:
             await self.store.call(lambda r: r.set(key, record, px=int(ttl_s * 1000)))
 
 
-def _entry(endpoint: str, served: str, answer: dict[str, Any]) -> Entry:
+def _entry(endpoint: str, served: str, answer: dict[str, Any], fresh_until: float, stale_s: float) -> Entry:
     data = orjson.dumps(answer)
-    return Entry(endpoint, served, answer, data, len(data) + 256)
+    return Entry(endpoint, served, answer, data, len(data) + 256, fresh_until, fresh_until + stale_s)
 
 
 def _deterministic(ex: Exchange) -> bool:

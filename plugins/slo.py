@@ -1,0 +1,196 @@
+"""slo: route around a model that is breaking its latency or error SLO, before the clients feel it for long.
+
+For every model with `slo:` the plugin keeps a sliding window of what it served: the TTFT of its streams and
+its failures (errors, timeouts, 429s, missed first-token deadlines). When the window's p95 TTFT or error
+rate breaks the SLO (with at least `min_samples`), the model is *degraded*: new requests go to its first
+fallback, the primary kept last as a resort. A share of traffic (`probe_ratio`) still goes to the primary;
+once `cooldown_s` has passed and `recovery_samples` probes in a row beat the SLO by `recovery_margin`, the
+model is healthy again and its window starts afresh. The margin, the cool-down and the fresh window are
+the hysteresis that keeps it from flapping.
+
+The plugin also grants hedging (`hedge_after_ms`): a request may race the next target when its primary is
+slow to give a first token, but only while the tenant's hedged share stays under `max_hedge_ratio`, so a
+slow primary cannot double the load. `gateway/upstream.py` executes both decisions; this module only
+orders `ex.targets` and sets `ex.hedge_after_ms`.
+
+Only streams give TTFT samples: a non-stream answer's latency is its whole generation, not comparable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.plugin import Outcome
+    from gateway.settings import Settings, SloSettings
+
+log = logging.getLogger("sluice.slo")
+
+HEALTHY, DEGRADED = "healthy", "degraded"
+MAX_SAMPLES = 4096  # per window: bounds memory and the cost of a p95 whatever the traffic
+FAILURES = frozenset({408, 429, 500, 502, 503, 504})
+EVALUATE_EVERY_S = 0.2
+HEDGE_WINDOW_S = 60.0
+
+
+class Window:
+    """(time, ttft_ms or None, failed) samples of the last `span_s` seconds."""
+
+    __slots__ = ("samples", "span_s")
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.samples: deque[tuple[float, float | None, bool]] = deque(maxlen=MAX_SAMPLES)
+
+    def add(self, now: float, ttft_ms: float | None, failed: bool) -> None:
+        self.samples.append((now, ttft_ms, failed))
+
+    def stats(self, now: float) -> tuple[int, float, float]:
+        """(samples, p95 TTFT in ms, error rate) over the window."""
+        cutoff = now - self.span_s
+        samples = self.samples
+        while samples and samples[0][0] < cutoff:
+            samples.popleft()
+        if not samples:
+            return 0, 0.0, 0.0
+        ttfts = sorted(t for _, t, _ in samples if t is not None)
+        failed = sum(1 for _, _, f in samples if f)
+        p95 = ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.95))] if ttfts else 0.0
+        return len(samples), p95, failed / len(samples)
+
+
+class ModelSlo:
+    __slots__ = ("evaluated", "model", "probes", "requests", "since", "spec", "state", "transitions", "window")
+
+    def __init__(self, model: str, spec: SloSettings) -> None:
+        self.model = model
+        self.spec = spec
+        self.state = HEALTHY
+        self.since = 0.0
+        self.window = Window(spec.window_s)
+        self.probes = Window(max(spec.window_s, spec.cooldown_s))
+        self.requests = 0
+        self.transitions = 0
+        self.evaluated = 0.0
+
+    def is_probe(self) -> bool:
+        """Whether this request, while degraded, should try the primary: an exact `probe_ratio` share."""
+        self.requests += 1
+        ratio = self.spec.probe_ratio
+        return int(self.requests * ratio) != int((self.requests - 1) * ratio)
+
+    def record(self, now: float, ttft_ms: float | None, failed: bool) -> None:
+        (self.probes if self.state == DEGRADED else self.window).add(now, ttft_ms, failed)
+        if now - self.evaluated >= EVALUATE_EVERY_S or self.state == DEGRADED:
+            self.evaluated = now
+            self.evaluate(now)
+
+    def evaluate(self, now: float) -> None:
+        spec = self.spec
+        if self.state == HEALTHY:
+            count, p95, errors = self.window.stats(now)
+            if count >= spec.min_samples and (p95 > spec.ttft_p95_ms or errors > spec.max_error_rate):
+                self._move(DEGRADED, now, f"p95 TTFT {p95:.0f} ms, error rate {errors:.1%} over {count} samples")
+            return
+        if now - self.since < spec.cooldown_s:
+            return
+        recent = list(self.probes.samples)[-spec.recovery_samples :]
+        if len(recent) < spec.recovery_samples:
+            return
+        limit = spec.ttft_p95_ms * spec.recovery_margin
+        if all(not failed and ttft is not None and ttft <= limit for _, ttft, failed in recent):
+            self._move(HEALTHY, now, f"{len(recent)} probes in a row under {limit:.0f} ms")
+
+    def _move(self, state: str, now: float, why: str) -> None:
+        self.state = state
+        self.since = now
+        self.transitions += 1
+        self.window = Window(self.spec.window_s)
+        self.probes = Window(max(self.spec.window_s, self.spec.cooldown_s))
+        if state == DEGRADED:
+            log.warning("model %s degraded (%s): routing to its fallback", self.model, why)
+        else:
+            log.warning("model %s recovered (%s): routing to it again", self.model, why)
+
+
+class HedgeBudget:
+    """A tenant's hedged requests may be at most `ratio` of its requests in the last minute."""
+
+    __slots__ = ("granted", "hedged", "ratio", "requests", "started")
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+        self.started = 0.0
+        self.requests = 0
+        self.hedged = 0
+        self.granted = 0  # in flight with the right to hedge: counted as hedged until they end
+
+    def grant(self, now: float) -> bool:
+        if now - self.started > HEDGE_WINDOW_S:
+            self.started, self.requests, self.hedged = now, 0, 0
+        self.requests += 1
+        # One hedge is allowed from the start, so that a first slow request can be raced at all.
+        if self.ratio == 0 or self.hedged + self.granted >= max(1.0, self.ratio * self.requests):
+            return False
+        self.granted += 1
+        return True
+
+    def settle(self, hedged: bool) -> None:
+        self.granted -= 1
+        self.hedged += hedged
+
+
+class Slo:
+    name: ClassVar[str] = "slo"
+
+    def __init__(self, settings: Settings) -> None:
+        self.models = {name: ModelSlo(name, spec.slo) for name, spec in settings.models.items() if spec.slo}
+        self.hedging = {
+            name: (spec.hedge_after_ms, spec.max_hedge_ratio)
+            for name, spec in settings.models.items()
+            if spec.hedge_after_ms is not None
+        }
+        self.budgets: dict[tuple[str, str], HedgeBudget] = {}
+
+    def states(self) -> dict[str, str]:
+        return {name: slo.state for name, slo in self.models.items()}
+
+    async def on_request(self, ex: Exchange) -> None:
+        slo = self.models.get(ex.model)
+        if slo is not None:
+            ex.state["slo"] = slo.state
+            if slo.state == DEGRADED and not slo.is_probe() and len(ex.targets) > 1:
+                ex.targets = [*ex.targets[1:], ex.targets[0]]
+                ex.fallback = "slo"
+        hedge = self.hedging.get(ex.model)
+        if hedge is not None and ex.stream and ex.fallback is None:
+            after_ms, ratio = hedge
+            key = (ex.tenant, ex.model)
+            budget = self.budgets.get(key)
+            if budget is None:
+                budget = self.budgets[key] = HedgeBudget(ratio)
+            if budget.grant(time.monotonic()):
+                ex.hedge_after_ms = after_ms
+                ex.state["hedge"] = budget
+
+    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+        budget = ex.state.get("hedge")
+        if isinstance(budget, HedgeBudget):
+            budget.settle(ex.hedged)
+        if not self.models:
+            return
+        now = time.monotonic()
+        for model, _, status in ex.attempts:
+            slo = self.models.get(model)
+            if slo is None:
+                continue
+            if status:
+                if status in FAILURES:
+                    slo.record(now, None, True)
+                continue
+            broke = outcome.error is not None and not outcome.client_gone and not outcome.complete
+            slo.record(now, outcome.ttft_ms if ex.stream else None, broke)

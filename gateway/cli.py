@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from gateway.settings import ConfigError, Settings, load
@@ -40,7 +42,16 @@ def serve(args: argparse.Namespace) -> None:
         # Workers import the app themselves; they find the same config through the environment.
         if args.config:
             os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
-        uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
+        # Prometheus multiprocess mode: each worker writes its metrics under this directory and a scrape sums
+        # them. It must be in the environment before the workers start (prometheus_client reads it on import).
+        metrics_dir = None
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sluice-metrics-")
+        try:
+            uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
+        finally:
+            if metrics_dir is not None:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
     else:
         from gateway.app import create_app
 
@@ -82,6 +93,12 @@ def keys(args: argparse.Namespace) -> None:
         store.revoke(url, hexdigest)
 
 
+def bench(args: argparse.Namespace) -> None:
+    from gateway.tools import bench as benchmark
+
+    sys.exit(benchmark.main(args))
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="sluice", description="A latency-first, OpenAI-compatible LLM gateway.")
     commands = root.add_subparsers(dest="command", required=True)
@@ -105,6 +122,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
     p.set_defaults(run=sim)
+
+    from gateway.tools import bench as benchmark
+
+    p = commands.add_parser("bench", help="measure the gateway's added latency against a direct connection")
+    benchmark.add_arguments(p)
+    p.set_defaults(run=bench)
 
     p = commands.add_parser("keys", help="make gateway keys; add, revoke and list them in Redis")
     p.add_argument("action", choices=["new", "add", "revoke", "list"])

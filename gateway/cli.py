@@ -99,6 +99,12 @@ def bench(args: argparse.Namespace) -> None:
     sys.exit(benchmark.main(args))
 
 
+def demo(args: argparse.Namespace) -> None:
+    from gateway.tools import demo as show
+
+    sys.exit(show.main(args))
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="sluice", description="A latency-first, OpenAI-compatible LLM gateway.")
     commands = root.add_subparsers(dest="command", required=True)
@@ -128,6 +134,12 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("bench", help="measure the gateway's added latency against a direct connection")
     benchmark.add_arguments(p)
     p.set_defaults(run=bench)
+
+    from gateway.tools import demo as show
+
+    p = commands.add_parser("demo", help="watch the SLO fallback, the cache and the overhead live (about 45 s)")
+    show.add_arguments(p)
+    p.set_defaults(run=demo)
 
     p = commands.add_parser("keys", help="make gateway keys; add, revoke and list them in Redis")
     p.add_argument("action", choices=["new", "add", "revoke", "list"])

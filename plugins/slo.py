@@ -64,7 +64,7 @@ class Window:
 
 
 class ModelSlo:
-    __slots__ = ("evaluated", "model", "probes", "requests", "since", "spec", "state", "transitions", "window")
+    __slots__ = ("dirty", "evaluated", "model", "probes", "requests", "since", "spec", "state", "transitions", "window")
 
     def __init__(self, model: str, spec: SloSettings) -> None:
         self.model = model
@@ -76,6 +76,7 @@ class ModelSlo:
         self.requests = 0
         self.transitions = 0
         self.evaluated = 0.0
+        self.dirty = False  # samples arrived since the last evaluation
 
     def is_probe(self) -> bool:
         """Whether this request, while degraded, should try the primary: an exact `probe_ratio` share."""
@@ -85,8 +86,15 @@ class ModelSlo:
 
     def record(self, now: float, ttft_ms: float | None, failed: bool) -> None:
         (self.probes if self.state == DEGRADED else self.window).add(now, ttft_ms, failed)
-        if now - self.evaluated >= EVALUATE_EVERY_S or self.state == DEGRADED:
+        self.dirty = True
+        self.maybe_evaluate(now)
+
+    def maybe_evaluate(self, now: float) -> None:
+        """Evaluate at most every EVALUATE_EVERY_S (a p95 sorts the window), but never leave samples unjudged:
+        requests call this too, so a burst of slow samples is judged by the next request, not the next sample."""
+        if self.dirty and (now - self.evaluated >= EVALUATE_EVERY_S or self.state == DEGRADED):
             self.evaluated = now
+            self.dirty = False
             self.evaluate(now)
 
     def evaluate(self, now: float) -> None:
@@ -162,6 +170,8 @@ class Slo:
     async def on_request(self, ex: Exchange) -> None:
         slo = self.models.get(ex.model)
         if slo is not None:
+            if slo.dirty:
+                slo.maybe_evaluate(time.monotonic())
             ex.state["slo"] = slo.state
             if slo.state == DEGRADED and not slo.is_probe() and len(ex.targets) > 1:
                 ex.targets = [*ex.targets[1:], ex.targets[0]]

@@ -32,8 +32,11 @@ _OVERRIDES = (b"x-sim-ttft-ms", b"x-sim-tpot-ms", b"x-sim-tokens")
 _MAX_TOKENS = 100_000
 
 
-class _State:
-    """What the connections of one server share: the profile and the count of model calls."""
+class State:
+    """What the connections of one server share: the profile and the count of model calls.
+
+    Setting `profile` on a running server changes how every connection answers its next request.
+    """
 
     __slots__ = ("profile", "requests")
 
@@ -65,7 +68,7 @@ class _Request:
 class _Connection(asyncio.Protocol):
     """One client connection. Requests are answered one at a time, in order; pipelined ones wait their turn."""
 
-    def __init__(self, server: _State) -> None:
+    def __init__(self, server: State) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -232,7 +235,7 @@ def _head(reply: Reply, requests: int, keep_alive: bool, length: int | None) -> 
     return b"".join(lines)
 
 
-def _answer(server: _State, request: _Request) -> Reply:
+def _answer(server: State, request: _Request) -> Reply:
     """Route one request and script its answer."""
     path = request.url.partition(b"?")[0]
     if path in (b"/health", b"/healthz"):
@@ -305,11 +308,14 @@ def _not_allowed() -> Reply:
     return error_reply(405, "method not allowed")
 
 
-async def start_server(host: str, port: int, profile: Profile) -> asyncio.Server:
-    """Listen on host:port (0 picks a free port) on the running loop and return the started server."""
+async def start_server(host: str, port: int, profile: Profile, state: State | None = None) -> asyncio.Server:
+    """Listen on host:port (0 picks a free port) on the running loop and return the started server.
+
+    Pass a `state` to change the profile while it runs.
+    """
     loop = asyncio.get_running_loop()
-    server = _State(profile)
-    return await loop.create_server(lambda: _Connection(server), host, port, backlog=2048)
+    shared = state if state is not None else State(profile)
+    return await loop.create_server(lambda: _Connection(shared), host, port, backlog=2048)
 
 
 async def _serve(host: str, port: int, profile: Profile) -> None:

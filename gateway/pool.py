@@ -283,8 +283,9 @@ class Connection(asyncio.Protocol):
         self.current = Response(self)
         self.head = self.loop.create_future()
         self.got_bytes = False
-        if self.closed:
-            # Closed by the upstream after it was handed out: the write would vanish and nothing would answer.
+        if self.closed or self.transport.is_closing():
+            # Closed by the upstream, maybe with connection_lost still to come: asyncio would drop the write
+            # and nothing would ever answer; uvloop would raise RuntimeError.
             self._fail(RemoteProtocolError("upstream closed the connection before the request was sent"))
             self.current = None
         else:
@@ -391,15 +392,16 @@ class Pool:
                 body,
             )
         )
-        while True:
-            conn = await self._acquire()
-            try:
-                return await self._exchange(conn, data)
-            except RemoteProtocolError:
-                # A reused connection the upstream had already closed, before it answered a byte: the request
-                # never reached the application, so another try is safe. Each try uses up one such connection.
-                if not (conn.reused and not conn.got_bytes):
-                    raise
+        conn = await self._acquire()
+        try:
+            return await self._exchange(conn, data)
+        except RemoteProtocolError:
+            # A reused connection the upstream had already closed, before it answered a byte: the request
+            # never reached the application, so one more try on a fresh connection is safe.
+            if not (conn.reused and not conn.got_bytes):
+                raise
+        conn = await self._acquire(fresh=True)
+        return await self._exchange(conn, data)
 
     async def _exchange(self, conn: Connection, data: bytes) -> Response:
         head = conn.send(data)
@@ -416,9 +418,10 @@ class Pool:
         conn._fail(ReadTimeout("no response from upstream within the first-byte timeout"))
         conn.abort()
 
-    async def _acquire(self) -> Connection:
+    async def _acquire(self, fresh: bool = False) -> Connection:
+        """An idle connection, else a new one within max_connections, else the next one freed."""
         idle = self._idle
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if not conn.closed:
                 conn.reused = True

@@ -139,8 +139,8 @@ def test_streaming_is_unbuffered(upstream: ScriptedUpstream) -> None:
     assert len(through) == 10
     assert 0.095 <= through[0] < direct[0] + 0.02  # the first token as the upstream sent it, within a few ms
     assert through[0] < 0.3 < through[-1]  # well before the upstream's last token (~0.55 s)
-    gaps = [b - a for a, b in itertools.pairwise(through)]
-    assert min(gaps) > 0.03  # tokens arrive spaced as sent, not in bursts
+    gaps = sorted(b - a for a, b in itertools.pairwise(through))
+    assert gaps[len(gaps) // 2] > 0.035  # tokens arrive spaced as sent (50 ms), not in one burst
 
 
 def test_azure_backend_paths_and_key() -> None:

@@ -7,7 +7,8 @@ client's request/response layer costs more CPU per request than the rest of the 
 - one `Pool` per origin, with a hard cap on connections and a cap on the idle ones kept;
 - connections opened (TCP and TLS) by `warm()` at start-up and topped up by `maintain()`;
 - a request is written in one `transport.write`; the response head resolves `request()`, the body is
-  read chunk by chunk with `Response.next_chunk()` (chunked framing already removed by httptools);
+  read with `Response.next_chunk()`, which returns all that has arrived so far (chunked framing already
+  removed by httptools);
 - timeouts for connect, pool acquisition, first byte and idle gaps between body chunks;
 - back-pressure: when the reader falls behind, the socket stops being read until it catches up;
 - a connection goes back to the pool only after a complete response; anything else closes it.
@@ -121,10 +122,14 @@ class Response:
     async def next_chunk(self) -> bytes:
         """The next piece of the body, or b"" once the body is complete. Raises PoolError on failure."""
         while True:
-            if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._buffered < LOW_WATER and self._conn is not None:
+            chunks = self._chunks
+            if chunks:
+                # Everything that has already arrived goes out as one piece: one write to the client
+                # instead of one per upstream chunk, and no chunk waits for anything that has not arrived.
+                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self._buffered = 0
+                if self._conn is not None:
                     self._conn.resume()
                 return chunk
             if self._error is not None:

@@ -105,6 +105,12 @@ def demo(args: argparse.Namespace) -> None:
     sys.exit(show.main(args))
 
 
+def probe(args: argparse.Namespace) -> None:
+    from gateway.tools import probe as prober
+
+    sys.exit(prober.main(args))
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="sluice", description="A latency-first, OpenAI-compatible LLM gateway.")
     commands = root.add_subparsers(dest="command", required=True)
@@ -140,6 +146,12 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("demo", help="watch the SLO fallback, the cache and the overhead live (about 45 s)")
     show.add_arguments(p)
     p.set_defaults(run=demo)
+
+    from gateway.tools import probe as prober
+
+    p = commands.add_parser("probe", help="latency breakdown and diagnosis of any OpenAI-compatible endpoint")
+    prober.add_arguments(p)
+    p.set_defaults(run=probe)
 
     p = commands.add_parser("keys", help="make gateway keys; add, revoke and list them in Redis")
     p.add_argument("action", choices=["new", "add", "revoke", "list"])

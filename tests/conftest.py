@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from tests.support.gateway import RunningGateway, gateway_thread
@@ -32,3 +33,23 @@ def redis_server() -> Iterator[RedisServer]:
     """A fresh redis-server for one test (tests may kill and restart it)."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(autouse=True)
+def close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Close every sync `openai` client a test made, when it ends.
+
+    Tests make SDK clients freely, as users do; an unclosed one leaves sockets for the garbage collector,
+    whose ResourceWarning (an error here) would then surface in whichever test happens to run next.
+    """
+    made: list[openai.OpenAI] = []
+    original = openai.OpenAI.__init__
+
+    def init(self: openai.OpenAI, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(openai.OpenAI, "__init__", init)
+    yield
+    for client in made:
+        client.close()

@@ -47,6 +47,7 @@ class Gateway:
                 Route("/readyz", self.readyz),
                 Route("/v1/models", self.list_models),
                 Route("/models", self.list_models),
+                Route("/metrics", self.metrics),
             ],
             exception_handlers={HTTPException: self.http_error},  # type: ignore[dict-item]
             lifespan=self.lifespan,
@@ -94,6 +95,13 @@ class Gateway:
 
     async def list_models(self, _: Request) -> Response:
         return Response(self.models_body, media_type="application/json")
+
+    async def metrics(self, request: Request) -> Response:
+        runtime = self.runtime
+        if runtime is None:
+            return Response(b"gateway is starting\n", status_code=503, media_type="text/plain")
+        body, content_type = runtime.telemetry.exposition(request.headers.get("accept", ""))
+        return Response(body, headers={"content-type": content_type})
 
     async def http_error(self, _: Request, exc: HTTPException) -> Response:
         if exc.status_code == 405:

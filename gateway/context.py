@@ -37,6 +37,7 @@ class Exchange:
         "hedged",
         "json",
         "model",
+        "overhead_ms",
         "request_id",
         "served",
         "started",
@@ -76,6 +77,7 @@ class Exchange:
         self.traceparent: bytes | None = None
         self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
         self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head
+        self.overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
         self.state: dict[str, Any] = {}
 
     def header(self, name: bytes) -> bytes | None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Plugin
     from gateway.settings import Settings
+    from gateway.telemetry import Telemetry
     from gateway.upstream import Opened, Upstreams
 
 log = logging.getLogger("sluice")
@@ -42,8 +43,11 @@ STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")
 
 
 class Pipeline:
-    def __init__(self, settings: Settings, upstreams: Upstreams, plugins: list[Plugin]) -> None:
+    def __init__(
+        self, settings: Settings, upstreams: Upstreams, plugins: list[Plugin], telemetry: Telemetry | None = None
+    ) -> None:
         self.upstreams = upstreams
+        self.telemetry = telemetry
         self.chains = upstreams.chains
         self.max_body = settings.limits.max_body_bytes
         self.on_request = hooks(plugins, "on_request")
@@ -72,6 +76,8 @@ class Pipeline:
             await send_error(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
             return
         ex.targets = list(chain)
+        if self.telemetry is not None:
+            self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
 
     async def _serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
@@ -103,7 +109,7 @@ class Pipeline:
                 outcome.ttft_ms = outcome.total_ms
             # Plugins hear of every request that reached them, however it ended (a leader that fails
             # must still release the requests following it).
-            if self.on_complete:
+            if self.on_complete or self.telemetry is not None:
                 job = asyncio.get_running_loop().create_task(self._complete(ex, outcome))
                 self._background.add(job)
                 job.add_done_callback(self._background.discard)
@@ -163,7 +169,7 @@ class Pipeline:
             if tap is not None:
                 taps.append(tap)
         now = time.perf_counter()
-        overhead = (now - ex.started) * 1000.0 - ex.upstream_ms
+        overhead = ex.overhead_ms = (now - ex.started) * 1000.0 - ex.upstream_ms
         head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
         head.headers.append((b"x-sluice-overhead-ms", f"{overhead:.3f}".encode()))
 
@@ -218,6 +224,11 @@ class Pipeline:
             outcome.usage = find_usage(body[-2048:])
 
     async def _complete(self, ex: Exchange, outcome: Outcome) -> None:
+        if self.telemetry is not None:
+            try:
+                self.telemetry.complete(ex, outcome)
+            except Exception:
+                log.exception("telemetry: recording a request failed")
         for name, hook in self.on_complete:
             try:
                 await hook(ex, outcome)

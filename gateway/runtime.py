@@ -8,6 +8,7 @@ from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.settings import Settings
 from gateway.store import Store
+from gateway.telemetry import Telemetry
 from gateway.upstream import Upstreams
 
 log = logging.getLogger("sluice")
@@ -20,10 +21,12 @@ class Runtime:
         # One Redis client per process, shared by every plugin that keeps state across processes.
         self.store = Store(settings.redis.url) if settings.redis.url else None
         self.plugins: list[Plugin] = [load_class(name)(settings) for name in settings.plugins]
-        self.pipeline = Pipeline(settings, self.upstreams, self.plugins)
+        self.telemetry = Telemetry(settings, self.plugins, self.store)
+        self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.started = False
 
     async def start(self) -> None:
+        self.telemetry.start()
         await self.upstreams.start()
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
@@ -42,3 +45,4 @@ class Runtime:
         await self.upstreams.aclose()
         if self.store is not None:
             await self.store.aclose()
+        self.telemetry.close()  # flushes queued spans, bounded: a collector that is down does not hold up exit

@@ -172,6 +172,7 @@ class TelemetrySettings(Strict):
     otlp_endpoint: str = ""
     service_name: str = "sluice"
     sample_ratio: float = Field(1.0, ge=0, le=1)
+    max_tenants: int = Field(100, ge=1)  # tenant label values in metrics; the rest are counted as "other"
 
 
 class LimitSettings(Strict):

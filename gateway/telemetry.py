@@ -1,10 +1,30 @@
-"""Where the time went: stage timings to a Server-Timing header (and, later, metrics and spans).
+"""Where the time went: stage timings to a Server-Timing header, Prometheus metrics and OTel traces.
 
-Stage timings are taken with perf_counter on the request path; everything built from them is built
-once per request, after the stages ran.
+Stage timings are taken with perf_counter on the request path; everything built from them is built once per
+request, after the response has ended, in the pipeline's completion task. The request path itself pays for
+two things only: the in-flight gauge, and (with tracing on) the trace context that goes upstream.
+
+Tracing is decided once at start-up (`tracing.enabled`): with nowhere to send spans the OpenTelemetry SDK is
+not even imported, and an incoming `traceparent` is passed upstream unchanged.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from gateway import tracecontext
+from gateway.metrics import Metrics, SloSource
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.plugin import Outcome, Plugin
+    from gateway.settings import Settings
+    from gateway.store import Store
+    from gateway.tracing import Tracing
+
+log = logging.getLogger("sluice.telemetry")
 
 
 def server_timing(timings: list[tuple[str, float]], overhead_ms: float) -> bytes:
@@ -12,3 +32,64 @@ def server_timing(timings: list[tuple[str, float]], overhead_ms: float) -> bytes
     parts = [f"{stage};dur={ms:.3f}" for stage, ms in timings]
     parts.append(f"overhead;dur={overhead_ms:.3f}")
     return ", ".join(parts).encode()
+
+
+def cache_result(ex: Exchange) -> str:
+    """hit, miss or bypass as the cache plugin left it (its own state object means a miss); none without it."""
+    state = ex.state.get("cache")
+    if state is None:
+        return "none"
+    return state.decode() if isinstance(state, bytes) else "miss"
+
+
+def slo_source(plugins: list[Plugin]) -> SloSource | None:
+    """The plugin named "slo", if it reports its models' states."""
+    for plugin in plugins:
+        states: Any = getattr(plugin, "states", None)
+        if plugin.name == "slo" and callable(states):
+            return plugin  # type: ignore[return-value]
+    return None
+
+
+class Telemetry:
+    """One per process: metrics always, tracing when there is a collector to send spans to."""
+
+    def __init__(self, settings: Settings, plugins: list[Plugin], store: Store | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics(settings.telemetry, settings.tenants, slo_source(plugins), store)
+        self.tracing_enabled = tracecontext.enabled(settings.telemetry)
+        self.tracing: Tracing | None = None
+
+    def start(self) -> None:
+        """Start the span export thread: per process, after any fork, as the SDK advises."""
+        if self.tracing_enabled and self.tracing is None:
+            from gateway.tracing import Tracing  # the OpenTelemetry SDK is imported only when tracing is on
+
+            self.tracing = Tracing(self.settings, self.metrics.count_spans)
+
+    # -- the request path ---------------------------------------------------------------------------------
+
+    def begin(self, ex: Exchange) -> None:
+        """The request is routed and about to be served: count it in flight, set its upstream trace context."""
+        self.metrics.begin(ex)
+        if self.tracing is not None:
+            self.tracing.begin(ex)
+        else:
+            tracecontext.forward(ex)
+
+    # -- the completion task ------------------------------------------------------------------------------
+
+    def complete(self, ex: Exchange, outcome: Outcome) -> None:
+        cache = cache_result(ex)
+        trace_id = self.tracing.record(ex, outcome, cache) if self.tracing is not None else None
+        total_ms = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
+        self.metrics.record(ex, outcome, cache, total_ms, trace_id)
+
+    def exposition(self, accept: str) -> tuple[bytes, str]:
+        return self.metrics.exposition(accept)
+
+    def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()
+            self.tracing = None
+        self.metrics.close()

@@ -1,0 +1,46 @@
+"""W3C trace context at the gateway's edge: the incoming `traceparent`, and whether to trace at all.
+
+Kept apart from `tracing.py` so that a gateway with tracing off never imports the OpenTelemetry SDK: it only
+passes a client's `traceparent` upstream unchanged, as a transparent hop should.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.settings import TelemetrySettings
+
+# version-traceid-parentid-flags in lower-case hex; versions after 00 may append fields.
+TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def enabled(settings: TelemetrySettings) -> bool:
+    """Whether to trace, decided once at start-up: only when there is somewhere to send spans."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return bool(settings.otlp_endpoint or any(os.environ.get(name) for name in ENDPOINT_VARIABLES))
+
+
+def incoming(headers: list[tuple[bytes, bytes]]) -> re.Match[bytes] | None:
+    """The client's `traceparent` if it is one that may be continued: groups 2, 3, 4 are trace, parent, flags."""
+    for name, value in headers:
+        if name == b"traceparent":
+            found = TRACEPARENT.fullmatch(value.strip())
+            if found is None or found[1] == b"ff" or (found[1] == b"00" and found[5]):
+                return None
+            if found[2] == b"0" * 32 or found[3] == b"0" * 16:
+                return None
+            return found
+    return None
+
+
+def forward(ex: Exchange) -> None:
+    """Tracing off: a valid incoming `traceparent` goes upstream as it came."""
+    found = incoming(ex.headers)
+    if found is not None:
+        ex.traceparent = found[0]

@@ -40,6 +40,7 @@ log = logging.getLogger("sluice")
 PASSED = frozenset({b"content-type", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"})
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+WATCH_AFTER_S = 0.05
 
 
 class Pipeline:
@@ -91,10 +92,20 @@ class Pipeline:
                 outcome.client_gone = True
                 task.cancel()
 
-        # uvicorn reports a disconnect only through receive(): watch it so that a client that leaves
-        # stops the upstream at once, whether we are waiting for the first token or relaying.
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(client_left)
+        # uvicorn reports a disconnect only through receive(): watch it so that a client that leaves stops
+        # the upstream at once, whether we are waiting for the first token or relaying. The watcher starts
+        # only once a request has lasted WATCH_AFTER_S: most non-stream answers are done by then, and a
+        # client gone sooner loses nothing but those milliseconds of upstream work.
+        loop = asyncio.get_running_loop()
+        watcher: asyncio.Future[Any] | None = None
+
+        def watch() -> None:
+            nonlocal watcher
+            if not done:
+                watcher = asyncio.ensure_future(receive())
+                watcher.add_done_callback(client_left)
+
+        timer = loop.call_later(WATCH_AFTER_S, watch)
         try:
             await self._respond(ex, send, outcome)
         except asyncio.CancelledError:
@@ -104,15 +115,19 @@ class Pipeline:
             outcome.error = outcome.error or "client disconnected"
         finally:
             done = True
-            watcher.cancel()
+            timer.cancel()
+            if watcher is not None:
+                watcher.cancel()
             if outcome.ttft_ms is None and outcome.complete and not ex.stream:
                 outcome.ttft_ms = outcome.total_ms
             # Plugins hear of every request that reached them, however it ended (a leader that fails
             # must still release the requests following it).
-            if self.on_complete or self.telemetry is not None:
-                job = asyncio.get_running_loop().create_task(self._complete(ex, outcome))
+            if self.on_complete:
+                job = loop.create_task(self._complete(ex, outcome))
                 self._background.add(job)
                 job.add_done_callback(self._background.discard)
+            elif self.telemetry is not None:
+                loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
 
     async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
         reply: Reply | None = None
@@ -223,12 +238,16 @@ class Pipeline:
         if opened is not None and head.status < 400:
             outcome.usage = find_usage(body[-2048:])
 
+    def _record(self, ex: Exchange, outcome: Outcome) -> None:
+        assert self.telemetry is not None
+        try:
+            self.telemetry.complete(ex, outcome)
+        except Exception:
+            log.exception("telemetry failed")
+
     async def _complete(self, ex: Exchange, outcome: Outcome) -> None:
         if self.telemetry is not None:
-            try:
-                self.telemetry.complete(ex, outcome)
-            except Exception:
-                log.exception("telemetry: recording a request failed")
+            self._record(ex, outcome)
         for name, hook in self.on_complete:
             try:
                 await hook(ex, outcome)

@@ -216,6 +216,9 @@ class Metrics:
     def begin(self, ex: Exchange) -> None:
         self.open[ex.stream].inc()
 
+    def rejected(self, status: int) -> None:
+        self.requests.labels("unknown", "", "", "", "", "none", str(status)).inc()
+
     # -- the completion task ------------------------------------------------------------------------------
 
     def record(self, ex: Exchange, outcome: Outcome, cache: str, total_ms: float, trace_id: str | None) -> None:

@@ -69,17 +69,22 @@ class Pipeline:
         except request.ClientGone:
             return
         except errors.GatewayError as exc:
-            await send_error(send, exc, rid)
+            await self._reject(send, exc, rid)
             return
         ex.mark("parse", started)
         chain = self.chains.get(ex.model)
         if chain is None:
-            await send_error(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
+            await self._reject(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
             return
         ex.targets = list(chain)
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
+
+    async def _reject(self, send: Send, error: errors.GatewayError, rid: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.rejected(error.status)
+        await send_error(send, error, rid)
 
     async def _serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
         outcome = Outcome(status=0)
@@ -118,8 +123,8 @@ class Pipeline:
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            if outcome.ttft_ms is None and outcome.complete and not ex.stream:
-                outcome.ttft_ms = outcome.total_ms
+            if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
+                outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
             # must still release the requests following it).
             if self.on_complete:
@@ -151,6 +156,12 @@ class Pipeline:
         except errors.GatewayError as exc:
             outcome.error = exc.message
             reply = Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
+        except Exception as exc:
+            # A bug in a plugin or here must still get an answer in the client's format, and a log line.
+            log.exception("request %s failed inside the gateway", ex.request_id)
+            error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
+            outcome.error = error.message
+            reply = Reply(status=500, headers=[JSON], body=error.body(), source="error")
 
         # Step 4: the head.
         if opened is not None:

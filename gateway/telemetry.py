@@ -85,6 +85,10 @@ class Telemetry:
         total_ms = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
         self.metrics.record(ex, outcome, cache, total_ms, trace_id)
 
+    def rejected(self, status: int) -> None:
+        """A request refused before it was routed (bad JSON, unknown model, too large): counted, not traced."""
+        self.metrics.rejected(status)
+
     def exposition(self, accept: str) -> tuple[bytes, str]:
         return self.metrics.exposition(accept)
 

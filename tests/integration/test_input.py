@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.gateway import RunningGateway
+from tests.support.gateway import RunningGateway, gateway_thread
 
 CHAT = b'{"model":"chat-small","messages":[{"role":"user","content":"hi"}]}'
 
@@ -110,3 +110,33 @@ def test_azure_style_path_routes_by_deployment(quickstart: RunningGateway) -> No
     answer = client.chat.completions.create(model="chat-small", messages=[{"role": "user", "content": "hi"}])
     assert answer.model == "small"
     assert answer.choices[0].message.content
+
+
+def test_a_bug_in_a_plugin_is_a_500_in_openai_format() -> None:
+    config = """
+backends: {sim: {type: simulated, ttft_ms: 1, tpot_ms: 0, tokens: 2}}
+models: {m: {backend: sim}}
+auth: {required: false}
+plugins: ["tests.support.plugins:Broken"]
+"""
+    with gateway_thread(config) as gw:
+        url = f"{gw.base_url}/chat/completions"
+        broken = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "break"}]})
+        error = assert_error(broken, 500, "internal_error")
+        assert "RuntimeError" in str(error["message"])
+        fine = httpx.post(url, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert fine.status_code == 200
+
+
+def test_rejected_requests_are_counted(quickstart: RunningGateway) -> None:
+    def rejected() -> float:
+        text = httpx.get(f"{quickstart.url}/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("sluice_requests_total{") and 'tenant="unknown"' in line and 'status="400"' in line
+        )
+
+    before = rejected()
+    httpx.post(f"{quickstart.base_url}/chat/completions", content=b"{not json")
+    assert rejected() == before + 1

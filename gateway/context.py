@@ -38,6 +38,7 @@ class Exchange:
         "json",
         "model",
         "overhead_ms",
+        "pool_ms",
         "request_id",
         "served",
         "started",
@@ -77,6 +78,7 @@ class Exchange:
         self.traceparent: bytes | None = None
         self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
         self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head
+        self.pool_ms = 0.0  # of which getting a connection for the attempt that served
         self.overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
         self.state: dict[str, Any] = {}
 

@@ -152,7 +152,9 @@ class Pipeline:
                     if reply is None:
                         raise
                 finally:
-                    ex.timings.append(("upstream", ex.upstream_ms))
+                    if ex.served is not None:  # the wait for a connection, of the attempt that served
+                        ex.timings.append(("pool", ex.pool_ms))
+                    ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
         except errors.GatewayError as exc:
             outcome.error = exc.message
             reply = Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")

@@ -104,6 +104,7 @@ class Response:
         "_conn",
         "_error",
         "_waiter",
+        "acquire_ms",
         "complete",
         "headers",
         "status",
@@ -111,6 +112,7 @@ class Response:
 
     def __init__(self, conn: Connection) -> None:
         self._conn: Connection | None = conn
+        self.acquire_ms = 0.0  # waiting for a connection (opening one included), set by Pool.request
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self._chunks: deque[bytes] = deque()
@@ -397,16 +399,22 @@ class Pool:
                 body,
             )
         )
+        started = time.perf_counter()
         conn = await self._acquire()
+        waited = time.perf_counter() - started
         try:
-            return await self._exchange(conn, data)
+            response = await self._exchange(conn, data)
         except RemoteProtocolError:
             # A reused connection the upstream had already closed, before it answered a byte: the request
             # never reached the application, so one more try on a fresh connection is safe.
             if not (conn.reused and not conn.got_bytes):
                 raise
-        conn = await self._acquire(fresh=True)
-        return await self._exchange(conn, data)
+            started = time.perf_counter()
+            conn = await self._acquire(fresh=True)
+            waited += time.perf_counter() - started
+            response = await self._exchange(conn, data)
+        response.acquire_ms = waited * 1000.0
+        return response
 
     async def _exchange(self, conn: Connection, data: bytes) -> Response:
         head = conn.send(data)

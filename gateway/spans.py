@@ -39,7 +39,7 @@ REQUEST_FIELDS = (
 class Layout:
     """Where each span of one request starts and ends, in ms from its arrival (perf_counter based)."""
 
-    __slots__ = ("cache", "client_id", "end", "ex", "head", "outcome", "size", "stages", "upstream")
+    __slots__ = ("cache", "client_id", "end", "ex", "head", "outcome", "pool", "size", "stages", "upstream")
 
     def __init__(self, ex: Exchange, outcome: Outcome, cache: str, client_id: int) -> None:
         self.ex = ex
@@ -48,10 +48,13 @@ class Layout:
         self.client_id = client_id
         self.stages: list[tuple[str, float, float]] = []
         self.upstream: tuple[float, float] | None = None
+        self.pool: tuple[float, float] | None = None  # getting a connection: the start of the upstream wait
         at = 0.0
         for stage, ms in ex.timings:
-            if stage == "upstream":
-                self.upstream = (at, at + ms)
+            if stage == "pool":
+                self.pool = (at, at + ms)
+            elif stage == "upstream":
+                self.upstream = (self.pool[0] if self.pool is not None else at, at + ms)
             else:
                 self.stages.append((stage, at, at + ms))
             at += ms
@@ -60,7 +63,7 @@ class Layout:
         self.end = max(outcome.total_ms, at, self.head or 0.0)
         size = 1 + len(self.stages)
         if self.upstream is not None:
-            size += 2 + (len(ex.attempts) if len(ex.attempts) > 1 else 0)
+            size += 2 + (len(ex.attempts) if len(ex.attempts) > 1 else 0) + (self.pool is not None)
         if self.head is not None and ex.stream and outcome.status < 400:
             size += 1
         self.size = size
@@ -100,6 +103,8 @@ class Layout:
                 span_id=self.client_id,
             )
             wait = made.add("upstream", stream_parent, start, waited, {"sluice.attempts": len(ex.attempts)})
+            if self.pool is not None:
+                made.add("pool", wait, *self.pool)
             if len(ex.attempts) > 1:
                 at = start
                 for model, ms, status in ex.attempts:

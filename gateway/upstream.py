@@ -133,6 +133,7 @@ class Upstreams:
             finally:
                 ex.upstream_ms += (time.perf_counter() - started) * 1000.0
             ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, 0))
+            ex.pool_ms = opened.response.acquire_ms
             ex.served = target
             if target is not targets[0] and ex.fallback is None:
                 if ex.hedged:

@@ -19,6 +19,7 @@ class UpstreamResponse(Protocol):
     status: int
     headers: list[tuple[bytes, bytes]]  # names lower-cased
     complete: bool
+    acquire_ms: float  # time spent getting a connection for it
 
     async def next_chunk(self) -> bytes:
         """The next piece of the body (framing removed), b"" at the end; raises PoolError on failure."""

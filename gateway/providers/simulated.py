@@ -20,7 +20,18 @@ if TYPE_CHECKING:
 class SimulatedResponse:
     """One scripted answer; piece i is returned no sooner than `ttft_s + i * tpot_s` after it was made."""
 
-    __slots__ = ("_closed", "_index", "_loop", "_reply", "_start", "_waiter", "complete", "headers", "status")
+    __slots__ = (
+        "_closed",
+        "_index",
+        "_loop",
+        "_reply",
+        "_start",
+        "_waiter",
+        "acquire_ms",
+        "complete",
+        "headers",
+        "status",
+    )
 
     def __init__(self, reply: Reply, request_id: str) -> None:
         self._reply = reply
@@ -32,6 +43,7 @@ class SimulatedResponse:
         self.status = reply.status
         self.headers = [(b"content-type", reply.content_type), (b"x-request-id", request_id.encode("latin-1"))]
         self.complete = False
+        self.acquire_ms = 0.0  # no connection to get
 
     async def next_chunk(self) -> bytes:
         """The next piece once it is due, b"" after the last one."""

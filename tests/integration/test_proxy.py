@@ -72,7 +72,7 @@ def test_credentials_model_mapping_and_headers(gateway: RunningGateway, upstream
     assert headers["x-sluice-model"] == "gpt"
     assert float(headers["x-sluice-overhead-ms"]) >= 0
     stages = [part.split(";")[0] for part in headers["server-timing"].split(", ")]
-    assert stages == ["parse", "upstream", "overhead"]
+    assert stages == ["parse", "pool", "upstream", "overhead"]
     assert "sk-backend-secret" not in raw.http_response.text and "sk-backend-secret" not in str(headers)
 
 

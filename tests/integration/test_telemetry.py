@@ -234,12 +234,14 @@ def test_a_cache_miss_is_one_trace_continued_by_the_upstream(
     version, trace_id, parent_id, flags = sent.split("-")
     assert (version, flags) == ("00", "01")
 
-    spans = receiver.trace(trace_id, 7)
+    spans = receiver.trace(trace_id, 8)
     assert {span.trace_id for span in receiver.spans} == {trace_id}  # one request, one trace
     root, client_span = spans[ROOT], spans["chat chat"]
     assert root.parent == "" and root.kind == SPAN_KIND_SERVER
     assert children(spans, root) == {"parse", "auth", "cache", "chat chat"}
     assert children(spans, client_span) == {"upstream", "stream"}
+    assert children(spans, spans["upstream"]) == {"pool"}
+    assert spans["upstream"].start == spans["pool"].start and spans["pool"].end <= spans["upstream"].end
     assert client_span.kind == SPAN_KIND_CLIENT and client_span.span_id == parent_id  # the upstream's parent
 
     # The timings add up: every span inside the root, stages in order, the root no longer than the client saw.
@@ -287,8 +289,8 @@ def test_a_cache_hit_has_no_upstream_spans(
     assert set(spans) == {ROOT, "parse", "auth", "cache", "stream"}
     assert children(spans, spans[ROOT]) == {"parse", "auth", "cache", "stream"}
     assert spans[ROOT].attributes["sluice.cache"] == "hit"
-    filled = receiver.request("fill-1", 6)  # a whole answer: its body came with the upstream wait, no stream
-    assert set(filled) == {ROOT, "parse", "auth", "cache", "chat chat", "upstream"}
+    filled = receiver.request("fill-1", 7)  # a whole answer: its body came with the upstream wait, no stream
+    assert set(filled) == {ROOT, "parse", "auth", "cache", "chat chat", "upstream", "pool"}
     assert sum(r.path.endswith("/chat/completions") for r in upstream.requests) == 1
 
 
@@ -306,9 +308,9 @@ def test_an_upstream_failure_and_a_fallback(
 
     upstream.script(Status(503))
     assert chat(gateway, model="chat", stream=True, x_request_id="fallback-1").status_code == 200
-    spans = receiver.request("fallback-1", 9)
+    spans = receiver.request("fallback-1", 10)
     assert spans[ROOT].attributes["sluice.fallback"] == "error"
-    assert children(spans, spans["upstream"]) == {"attempt chat", "attempt backup"}
+    assert children(spans, spans["upstream"]) == {"attempt chat", "attempt backup", "pool"}
     assert spans["attempt chat"].attributes["error.type"] == "503"
     assert spans["attempt chat"].end <= spans["attempt backup"].start
     assert spans["chat chat"].attributes["gen_ai.response.model"] == "backup-model"
@@ -322,7 +324,7 @@ def test_an_incoming_traceparent_is_continued(
     assert response.status_code == 200
     _, trace_id, parent_id, flags = upstream.requests[-1].headers["traceparent"].split("-")
     assert (trace_id, flags) == (CLIENT_TRACE, "01")
-    spans = receiver.trace(CLIENT_TRACE, 7)
+    spans = receiver.trace(CLIENT_TRACE, 8)
     assert spans[ROOT].parent == CLIENT_SPAN
     assert spans["chat chat"].span_id == parent_id
 

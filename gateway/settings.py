@@ -47,9 +47,15 @@ class Timeouts(Strict):
     idle_read_s: float = Field(300.0, gt=0)  # the longest silence between two body chunks
 
 
+class TlsSettings(Strict):
+    verify: bool = True  # false only for a test upstream: it turns off certificate and host checks
+    ca_file: str | None = None  # a private CA's certificates (PEM), e.g. for a vLLM behind internal TLS
+
+
 class RemoteBackend(Strict):
     base_url: str
     api_key: str = ""
+    tls: TlsSettings = TlsSettings()
     headers: dict[str, str] = {}  # sent upstream on every request, e.g. OpenAI-Organization
     timeouts: Timeouts = Timeouts()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import urlsplit
 
@@ -28,6 +29,15 @@ MAINTAIN_INTERVAL_S = 5.0
 
 def header_lines(headers: dict[str, str]) -> bytes:
     return b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items())
+
+
+def tls_context(backend: RemoteBackend) -> ssl.SSLContext:
+    """Built once per backend: the handshake is paid at warm-up, the context's set-up never again."""
+    context = ssl.create_default_context(cafile=backend.tls.ca_file)
+    if not backend.tls.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 class HttpProvider:
@@ -52,6 +62,7 @@ class HttpProvider:
         static.update(self.auth_headers(backend.api_key))
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
+        self.ssl = tls_context(backend) if self.url.startswith("https://") else None
         self.pool: Pool | None = None
         self._maintainer: asyncio.Task[None] | None = None
         self._ready = False
@@ -69,7 +80,7 @@ class HttpProvider:
         return orjson.dumps({**ex.json, "model": target.upstream_model})
 
     async def start(self) -> None:
-        self.pool = Pool(self.url, self.limits)
+        self.pool = Pool(self.url, self.limits, self.ssl)
         try:
             warm = await self.pool.warm()
         except PoolError as exc:

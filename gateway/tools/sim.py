@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ssl
 from collections import deque
 from typing import Any, cast
 from urllib.parse import unquote
@@ -308,14 +309,16 @@ def _not_allowed() -> Reply:
     return error_reply(405, "method not allowed")
 
 
-async def start_server(host: str, port: int, profile: Profile, state: State | None = None) -> asyncio.Server:
+async def start_server(
+    host: str, port: int, profile: Profile, state: State | None = None, tls: ssl.SSLContext | None = None
+) -> asyncio.Server:
     """Listen on host:port (0 picks a free port) on the running loop and return the started server.
 
-    Pass a `state` to change the profile while it runs.
+    Pass a `state` to change the profile while it runs, a server-side `tls` context to serve HTTPS.
     """
     loop = asyncio.get_running_loop()
     shared = state if state is not None else State(profile)
-    return await loop.create_server(lambda: _Connection(shared), host, port, backlog=2048)
+    return await loop.create_server(lambda: _Connection(shared), host, port, backlog=2048, ssl=tls)
 
 
 async def _serve(host: str, port: int, profile: Profile) -> None:

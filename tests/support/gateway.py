@@ -33,11 +33,11 @@ class RunningGateway:
         self.base_url = f"{self.url}/v1"
 
 
-def wait_ready(url: str, timeout: float = 15.0) -> None:
+def wait_ready(url: str, timeout: float = 15.0, path: str = "/readyz") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -46,8 +46,11 @@ def wait_ready(url: str, timeout: float = 15.0) -> None:
 
 
 @contextmanager
-def gateway_thread(config: str) -> Iterator[RunningGateway]:
-    """The gateway for a YAML config, served by uvicorn in a thread of this process."""
+def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
+    """The gateway for a YAML config, served by uvicorn in a thread of this process.
+
+    With `ready=False` it is handed over once it answers at all, warm upstream pools or not.
+    """
     port = free_port()
     app = create_app(parse(config, "<test config>"))
     server = uvicorn.Server(
@@ -78,7 +81,7 @@ def gateway_thread(config: str) -> Iterator[RunningGateway]:
     thread.start()
     running = RunningGateway(port)
     try:
-        wait_ready(running.url)
+        wait_ready(running.url, path="/readyz" if ready else "/healthz")
         yield running
     finally:
         server.should_exit = True

@@ -16,10 +16,12 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from gateway.pool import Pool, PoolError, PoolLimits, Response
+from gateway.http2 import Http2Client
+from gateway.pool import Pool, PoolError, PoolLimits
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
+    from gateway.providers.base import UpstreamResponse
     from gateway.settings import PoolSettings, RemoteBackend
 
 log = logging.getLogger("sluice.upstream")
@@ -63,7 +65,9 @@ class HttpProvider:
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
         self.ssl = tls_context(backend) if self.url.startswith("https://") else None
+        self.http2 = pool.http2
         self.pool: Pool | None = None
+        self.client: Pool | Http2Client | None = None
         self._maintainer: asyncio.Task[None] | None = None
         self._ready = False
 
@@ -80,28 +84,32 @@ class HttpProvider:
         return orjson.dumps({**ex.json, "model": target.upstream_model})
 
     async def start(self) -> None:
-        self.pool = Pool(self.url, self.limits, self.ssl)
+        if self.http2:
+            self.client = Http2Client(self.url, self.limits, self.ssl)
+        else:
+            self.pool = self.client = Pool(self.url, self.limits, self.ssl)
         try:
-            warm = await self.pool.warm()
+            warm = await self.client.warm() if self.limits.warm else 0
         except PoolError as exc:
             warm = 0
             log.warning("backend %s: warm-up failed: %s", self.name, exc)
         self._ready = warm >= min(self.limits.warm, 1) or self.limits.warm == 0
         if self._ready:
             log.info("backend %s: %d warm connection(s) to %s", self.name, warm, self.url)
-        self._maintainer = asyncio.get_running_loop().create_task(self.pool.maintain(MAINTAIN_INTERVAL_S))
+        if self.pool is not None:
+            self._maintainer = asyncio.get_running_loop().create_task(self.pool.maintain(MAINTAIN_INTERVAL_S))
 
     @property
     def ready(self) -> bool:
         # Ready once warm; a backend that was down at start-up becomes ready when the keep-warm loop connects.
         return self._ready or (self.pool is not None and self.pool.size > 0)
 
-    async def send(self, ex: Exchange, target: Target) -> Response:
-        assert self.pool is not None, "provider not started"
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        assert self.client is not None, "provider not started"
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
-        response = await self.pool.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
+        response = await self.client.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
         self._ready = True
         return response
 
@@ -110,5 +118,5 @@ class HttpProvider:
             self._maintainer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintainer
-        if self.pool is not None:
-            await self.pool.aclose()
+        if self.client is not None:
+            await self.client.aclose()

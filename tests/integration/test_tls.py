@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trustme
 
 from gateway.simulation import Profile
 from gateway.tools.sim import start_server
-from tests.support.gateway import gateway_thread
+from tests.support.gateway import free_port, gateway_thread
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -56,3 +58,59 @@ async def test_https_upstream_with_a_private_ca(tmp_path: Path) -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def h2_upstream(scope: Any, receive: Any, send: Any) -> None:
+    """A minimal OpenAI-shaped upstream that says which HTTP version it was reached over."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    version = scope["http_version"].encode()
+    events = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"over http/' + version + b'"},"finish_reason":null}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for event in events:
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def test_http2_backend(tmp_path: Path) -> None:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    port = free_port()
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.certfile = config.keyfile = str(tmp_path / "server.pem")
+    config.loglevel = "WARNING"
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    server = threading.Thread(
+        target=lambda: loop.run_until_complete(serve(h2_upstream, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+    )
+    server.start()
+    try:
+        text = f"""
+backends:
+  h2: {{type: openai, base_url: "https://localhost:{port}/v1", tls: {{ca_file: "{tmp_path / "ca.pem"}"}}}}
+pool: {{http2: true, warm_connections: 1}}
+models: {{m: {{backend: h2}}}}
+auth: {{required: false}}
+"""
+        with gateway_thread(text) as gw:
+            body = {"model": "m", "messages": MESSAGES, "stream": True}
+            answer = httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=10)
+            assert answer.status_code == 200, answer.text
+            assert "over http/2" in answer.text and answer.text.rstrip().endswith("data: [DONE]")
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        server.join(10)
+        loop.close()

@@ -25,7 +25,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
@@ -67,10 +67,18 @@ class Entry:
     size: int
     fresh_until: float  # wall-clock seconds: a hit until then, only a stale rescue after
     expires: float  # wall-clock seconds: gone after
+    streams: dict[bool, bytes] = field(default_factory=dict)  # SSE replays made so far, by include_usage
 
     @property
     def fresh(self) -> bool:
         return time.time() < self.fresh_until
+
+    def sse(self, include_usage: bool) -> bytes:
+        """The answer as a stream, made on the first streamed hit and reused by the next ones."""
+        body = self.streams.get(include_usage)
+        if body is None:
+            body = self.streams[include_usage] = completion.replay(self.endpoint, self.answer, include_usage)
+        return body
 
 
 @dataclass(slots=True)
@@ -240,8 +248,7 @@ class Cache:
         if ex.stream:
             options = ex.json.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            body = completion.replay(entry.endpoint, entry.answer, include_usage)
-            return Reply(headers=[SSE_TYPE, *headers], body=body, source="cache")
+            return Reply(headers=[SSE_TYPE, *headers], body=entry.sse(include_usage), source="cache")
         return Reply(headers=[JSON_TYPE, *headers], body=entry.json, source="cache")
 
     async def _l2_get(self, key: str) -> Entry | None:

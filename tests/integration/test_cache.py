@@ -77,7 +77,7 @@ def test_second_identical_request_is_a_hit_in_either_form(
 ) -> None:
     content, state, finish = ask(gateway, fill)
     assert state == "miss" and content and finish == "stop"
-    time.sleep(0.05)  # the entry is written after the response ends
+    time.sleep(0.2)  # the entry is written after the response ends
     again, state, again_finish = ask(gateway, replay)
     assert state == "hit"
     assert again == content and again_finish == finish
@@ -86,7 +86,7 @@ def test_second_identical_request_is_a_hit_in_either_form(
 
 def test_replayed_stream_carries_usage_when_asked(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
     ask(gateway, False)
-    time.sleep(0.05)
+    time.sleep(0.2)
     client = openai.OpenAI(base_url=gateway.base_url, api_key=ACME, max_retries=0)
     chunks = list(
         client.chat.completions.create(
@@ -99,7 +99,7 @@ def test_replayed_stream_carries_usage_when_asked(gateway: RunningGateway, upstr
 
 def test_tenants_never_share_entries(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
     assert ask(gateway, False, key=ACME)[1] == "miss"
-    time.sleep(0.05)
+    time.sleep(0.2)
     assert ask(gateway, False, key=GLOBEX)[1] == "miss"
     assert calls(upstream) == 2
 
@@ -110,7 +110,7 @@ def test_field_order_and_whitespace_do_not_matter(gateway: RunningGateway, upstr
     first = b'{"model":"chat","temperature":0,"messages":[{"role":"user","content":"x"}]}'
     second = b'{ "messages": [ {"content": "x", "role": "user"} ],\n "temperature": 0, "model": "chat" }'
     assert httpx.post(url, content=first, headers=headers).headers["x-sluice-cache"] == "miss"
-    time.sleep(0.05)
+    time.sleep(0.2)
     assert httpx.post(url, content=second, headers=headers).headers["x-sluice-cache"] == "hit"
     third = b'{"model":"chat","temperature":0,"messages":[{"role":"user","content":"y"}]}'
     assert httpx.post(url, content=third, headers=headers).headers["x-sluice-cache"] == "miss"
@@ -133,11 +133,11 @@ def test_cache_control_headers(gateway: RunningGateway, upstream: ScriptedUpstre
         return raw.headers["x-sluice-cache"]
 
     assert state("no-store") == "bypass"
-    time.sleep(0.05)
+    time.sleep(0.2)
     assert state("no-cache") == "miss"  # not looked up, but stored
-    time.sleep(0.05)
+    time.sleep(0.2)
     assert state("max-age=0, no-cache") == "miss"
-    time.sleep(0.05)
+    time.sleep(0.2)
     assert ask(gateway, False)[1] == "hit"
     assert calls(upstream) == 3
 
@@ -145,7 +145,7 @@ def test_cache_control_headers(gateway: RunningGateway, upstream: ScriptedUpstre
 def test_embeddings_are_cached(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
     client = openai.OpenAI(base_url=gateway.base_url, api_key=ACME, max_retries=0)
     first = client.embeddings.with_raw_response.create(model="embed", input=["a", "b"])
-    time.sleep(0.05)
+    time.sleep(0.2)
     second = client.embeddings.with_raw_response.create(model="embed", input=["a", "b"])
     assert (first.headers["x-sluice-cache"], second.headers["x-sluice-cache"]) == ("miss", "hit")
     assert first.parse().data[1].embedding == second.parse().data[1].embedding
@@ -156,7 +156,7 @@ def test_broken_stream_is_never_stored(gateway: RunningGateway, upstream: Script
     upstream.script(ResetMidStream(after_chunks=2))
     with pytest.raises(openai.APIError):
         ask(gateway, True)
-    time.sleep(0.05)
+    time.sleep(0.2)
     _, state, finish = ask(gateway, True)
     assert state == "miss" and finish == "stop"
     assert calls(upstream) == 2

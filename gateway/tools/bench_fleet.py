@@ -145,9 +145,7 @@ def bench_file(name: str) -> Path:
     return found.resolve()
 
 
-def spawn(
-    name: str, command: list[str], cpu: int | None, env: dict[str, str], workdir: str | None = None
-) -> Child:
+def spawn(name: str, command: list[str], cpu: int | None, env: dict[str, str], workdir: str | None = None) -> Child:
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None else []
     log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child; Child.stop closes it
     popen = subprocess.Popen(
@@ -173,7 +171,9 @@ def start_gateway(name: str, config: Path, port: int, cpu: int | None, env: dict
 def start_redis(port: int, cpu: int | None, env: dict[str, str]) -> Child:
     binary = shutil.which("redis-server")
     if binary is None:
-        raise BenchError("redis-server not found: the tenants and cache scenarios need it (apt-get install redis-server)")
+        raise BenchError(
+            "redis-server not found: the tenants and cache scenarios need it (apt-get install redis-server)"
+        )
     workdir = tempfile.mkdtemp(prefix="sluice-bench-redis-")
     # No persistence: nothing is written, and no fork for a snapshot disturbs the timings.
     command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import random
 import re
 import time
 import uuid
@@ -51,6 +52,17 @@ class Workload:
     bodies: tuple[bytes, ...]
     stream: bool
     headers: bytes = JSON_HEADERS
+    method: bytes = b"POST"
+    answer: re.Pattern[bytes] = TOKEN  # what a good answer (a stream: a chunk) holds; its first one is timed
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One target of an interleaved open loop: where the requests go, what they are, what warms it first."""
+
+    pool: Pool
+    work: Workload
+    warm: Workload
 
 
 @dataclass(slots=True)
@@ -58,6 +70,7 @@ class Samples:
     """One cell's measurements on one side (ms)."""
 
     latency: list[float] = field(default_factory=list)  # TTFT for streams, the whole exchange otherwise
+    index: list[int] = field(default_factory=list)  # each latency's request number, to pair it across lanes
     gaps: list[float] = field(default_factory=list)  # between consecutive token chunks
     own: list[float] = field(default_factory=list)  # the gateway's x-sluice-overhead-ms
     timing: list[bytes] = field(default_factory=list)  # the gateway's server-timing, parsed later
@@ -88,7 +101,9 @@ def bodies(model: str, stream: bool, tokens: int, prompts: tuple[str, ...], temp
     return Workload(PLAIN_PATH, tuple(orjson.dumps(b) for b in chats), False)
 
 
-def workload(model: str, stream: bool, tokens: int, headers: bytes = JSON_HEADERS, deterministic: bool = False) -> Workload:
+def workload(
+    model: str, stream: bool, tokens: int, headers: bytes = JSON_HEADERS, deterministic: bool = False
+) -> Workload:
     """A few prompts, repeated: at temperature 0 (`deterministic`), each is answered from a cache once stored."""
     made = bodies(model, stream, tokens, PROMPTS, 0.0 if deterministic else None)
     return Workload(made.path, made.bodies, stream, headers)
@@ -100,6 +115,11 @@ def unique_workload(model: str, stream: bool, tokens: int, count: int, headers: 
     prompts = tuple(f"{PROMPTS[i % len(PROMPTS)]} ({tag}-{i})" for i in range(count))
     made = bodies(model, stream, tokens, prompts, 0.0)
     return Workload(made.path, made.bodies, stream, headers)
+
+
+def health() -> Workload:
+    """`GET /healthz`: a route outside the pipeline, the least a round trip to a gateway can cost."""
+    return Workload(b"/healthz", (b"",), False, b"", b"GET", re.compile(rb'"status"'))
 
 
 def record_headers(headers: list[tuple[bytes, bytes]], out: Samples) -> None:
@@ -118,11 +138,11 @@ async def once(pool: Pool, work: Workload, index: int, out: Samples) -> None:
     started = time.perf_counter()
     first = last = 0.0
     try:
-        response = await pool.request(b"POST", work.path, work.headers, body)
+        response = await pool.request(work.method, work.path, work.headers, body)
         try:
             if work.stream:
                 while chunk := await response.next_chunk():
-                    if TOKEN.search(chunk):
+                    if work.answer.search(chunk):
                         now = time.perf_counter()
                         if first:
                             out.gaps.append((now - last) * 1000.0)
@@ -130,7 +150,7 @@ async def once(pool: Pool, work: Workload, index: int, out: Samples) -> None:
                             first = now
                         last = now
             else:
-                first = time.perf_counter() if TOKEN.search(await response.read()) else 0.0
+                first = time.perf_counter() if work.answer.search(await response.read()) else 0.0
         finally:
             response.close()
     except PoolError:
@@ -140,6 +160,7 @@ async def once(pool: Pool, work: Workload, index: int, out: Samples) -> None:
         out.errors += 1
         return
     out.latency.append((first - started) * 1000.0)
+    out.index.append(index)
     record_headers(response.headers, out)
 
 
@@ -167,8 +188,24 @@ async def open_loop(pool: Pool, work: Workload, rate: float, count: int, warm: W
 
     `warm` primes the connections first: the same workload, or other bodies when this one's must stay unsent.
     """
-    await prime(pool, warm, concurrency)
-    out = Samples()
+    return (await interleaved([Lane(pool, work, warm)], rate, count, concurrency))[0]
+
+
+async def interleaved(lanes: list[Lane], rate: float, count: int, concurrency: int) -> list[Samples]:
+    """An open loop at `rate` per lane: slot after slot, one request per lane, evenly spaced.
+
+    Lanes that share a schedule share the machine's state too (CPU idle states, caches, whatever else runs):
+    what differs between their samples is the target, which is what a comparison between targets needs. The
+    lanes' order changes from slot to slot (a fixed pseudo-random sequence), so that no lane always follows
+    the same other one: a target's work after its answer (a cache store, a rate-limit correction) must not
+    always land on the same neighbour.
+    """
+    for lane in lanes:
+        await prime(lane.pool, lane.warm, concurrency)
+    outs = [Samples() for _ in lanes]
+    step = 1.0 / (rate * len(lanes))
+    order = list(range(len(lanes)))
+    shuffle = random.Random(len(lanes)).shuffle
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
     gc.collect()
@@ -176,14 +213,17 @@ async def open_loop(pool: Pool, work: Workload, rate: float, count: int, warm: W
     try:
         start = time.perf_counter()
         for i in range(count):
-            wait = start + i / rate - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            tasks.append(loop.create_task(once(pool, work, i, out)))
+            if len(order) > 1:
+                shuffle(order)
+            for position, j in enumerate(order):
+                wait = start + (i * len(lanes) + position) * step - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                tasks.append(loop.create_task(once(lanes[j].pool, lanes[j].work, i, outs[j])))
         await asyncio.gather(*tasks)
     finally:
         gc.enable()
-    return out
+    return outs
 
 
 async def closed_loop(

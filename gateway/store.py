@@ -40,16 +40,20 @@ class Store:
         max_connections: int = 64,
     ) -> None:
         self.url = url
-        self.client = aioredis.Redis.from_url(
+        # A blocking pool: a burst beyond max_connections waits (within the timeout) for a connection
+        # instead of failing at once, which would open the breaker although Redis is fine.
+        self.pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=connect_timeout_s,
             # One immediate retry, for connection errors only: it replaces a pooled connection that Redis
             # closed (a restart) at the cost of one refused connect; a slow Redis is never waited on twice.
             retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
-            max_connections=max_connections,
             health_check_interval=30,
         )
+        self.client = aioredis.Redis(connection_pool=self.pool)
         self.cooldown_s = cooldown_s
         self.open_until = 0.0  # while time.monotonic() is below this, calls are not even tried
         self.down = False
@@ -78,3 +82,4 @@ class Store:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.pool.aclose()

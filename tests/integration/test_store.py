@@ -1,0 +1,41 @@
+"""The shared Redis client: bursts wait for a connection, a dead Redis fails fast and opens the breaker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway.store import Store, StoreUnavailable
+from tests.support.redis import RedisServer
+
+
+async def test_a_burst_larger_than_the_pool_waits_instead_of_failing(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url, max_connections=4)
+    try:
+        results = await asyncio.gather(
+            *(store.call(lambda r, i=i: r.set(f"k{i}", "v")) for i in range(64)), return_exceptions=True
+        )
+        assert not [r for r in results if isinstance(r, BaseException)]
+        assert store.failures == 0 and store.available
+    finally:
+        await store.aclose()
+
+
+async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url, cooldown_s=0.5)
+    try:
+        assert await store.call(lambda r: r.ping())
+        redis_server.stop()
+        started = time.monotonic()
+        for _ in range(20):
+            try:
+                await store.call(lambda r: r.get("x"))
+            except StoreUnavailable:
+                pass
+        assert time.monotonic() - started < 0.5  # one failed try, then the breaker answers at once
+        assert store.failures == 1 and not store.available
+        redis_server.start()
+        await asyncio.sleep(0.6)
+        assert await store.call(lambda r: r.ping())
+    finally:
+        await store.aclose()

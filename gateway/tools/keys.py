@@ -13,8 +13,8 @@ import sys
 import orjson
 import redis
 
-KEYS_HASH = "sluice:keys"
-CHANNEL = "sluice:keys"
+from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
+
 PREFIX = "sk-sluice-"
 
 

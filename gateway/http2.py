@@ -58,10 +58,7 @@ class Http2Response:
         return b""
 
     async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.next_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
+        return await pool.read_all(self.next_chunk)
 
     def close(self) -> None:
         if not self.complete and not self._response.is_closed:

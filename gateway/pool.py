@@ -24,6 +24,7 @@ import functools
 import ssl
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -95,6 +96,14 @@ class PoolLimits:
     keepalive_expiry: float = 30.0
 
 
+async def read_all(next_chunk: Callable[[], Awaitable[bytes]]) -> bytes:
+    """A whole body from a `next_chunk` that returns b"" at its end; every response kind reads this way."""
+    parts = []
+    while chunk := await next_chunk():
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 class Response:
     """One upstream response: the head is known, the body arrives through `next_chunk()`."""
 
@@ -151,10 +160,7 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = []
-        while chunk := await self.next_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
+        return await read_all(self.next_chunk)
 
     def close(self) -> None:
         """Stop reading. A response whose body is not complete takes its connection down with it."""

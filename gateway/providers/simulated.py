@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, ClassVar
 
-from gateway.pool import ResponseClosed
+from gateway.pool import ResponseClosed, read_all
 from gateway.simulation import Profile, Reply, simulate
 
 if TYPE_CHECKING:
@@ -64,10 +64,7 @@ class SimulatedResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
-        parts = []
-        while chunk := await self.next_chunk():
-            parts.append(chunk)
-        return b"".join(parts)
+        return await read_all(self.next_chunk)
 
     def close(self) -> None:
         """Stop: a reader waiting for the next piece wakes up and gets ResponseClosed."""

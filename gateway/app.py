@@ -33,6 +33,15 @@ ENDPOINTS = {
     "/embeddings": "embeddings",
 }
 AZURE_PREFIX = "/openai/deployments/"
+# How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools, no access log, and
+# neither proxy-headers middleware nor a server header, since nothing on the request path reads them.
+SERVER_OPTIONS: dict[str, object] = {
+    "http": "httptools",
+    "lifespan": "on",
+    "access_log": False,
+    "proxy_headers": False,
+    "server_header": False,
+}
 
 
 class Gateway:

@@ -25,16 +25,13 @@ def serve(args: argparse.Namespace) -> None:
     settings = _config(args.config)
     host = args.host or settings.listen.host
     port = args.port if args.port is not None else settings.listen.port
+    from gateway.app import SERVER_OPTIONS
+
     options: dict[str, object] = {
+        **SERVER_OPTIONS,
         "host": host,
         "port": port,
         "loop": "uvloop",
-        "http": "httptools",
-        "lifespan": "on",
-        "access_log": False,
-        # Nothing of these reaches the pipeline; they would only cost time on every request.
-        "proxy_headers": False,
-        "server_header": False,
         "log_level": args.log_level,
         "timeout_graceful_shutdown": 5,
     }

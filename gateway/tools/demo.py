@@ -27,7 +27,7 @@ from typing import Any, Protocol, TextIO, cast
 import httpx
 import uvicorn
 
-from gateway.app import Gateway, create_app
+from gateway.app import SERVER_OPTIONS, Gateway, create_app
 from gateway.settings import parse
 from gateway.simulation import Profile
 from gateway.tools import sim
@@ -382,13 +382,9 @@ async def start_gateway(config: str, sock: socket.socket) -> tuple[EmbeddedServe
         uvicorn.Config(
             app,
             loop="none",  # the demo's loop is already running (uvloop)
-            http="httptools",
             ws="none",
-            lifespan="on",
-            access_log=False,
-            proxy_headers=False,
-            server_header=False,
             log_level="warning",
+            **SERVER_OPTIONS,  # type: ignore[arg-type]
             timeout_graceful_shutdown=2,
         )
     )

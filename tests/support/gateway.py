@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from gateway.app import create_app
+from gateway.app import SERVER_OPTIONS, create_app
 from gateway.settings import parse
 
 
@@ -59,12 +59,8 @@ def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
             host="127.0.0.1",
             port=port,
             loop="none",
-            http="httptools",
-            lifespan="on",
-            access_log=False,
-            proxy_headers=False,
-            server_header=False,
             log_level="warning",
+            **SERVER_OPTIONS,  # type: ignore[arg-type]
         )
     )
 

@@ -142,7 +142,7 @@ class Auth:
         assert self.store is not None
         self.lookups += 1
         try:
-            raw = await self.store.call(lambda r: r.hget(KEYS_HASH, hexdigest))
+            raw = await self.store.execute("HGET", KEYS_HASH, hexdigest)
         except StoreUnavailable:
             if not self.required:
                 return None

@@ -255,7 +255,7 @@ class Cache:
         if self.store is None:
             return None
         try:
-            raw = await self.store.call(lambda r: r.get(key))
+            raw = await self.store.execute("GET", key)
         except StoreUnavailable:
             return None
         if raw is None:
@@ -351,7 +351,7 @@ class Cache:
     async def _l2_set(self, key: str, record: bytes, ttl_s: float) -> None:
         assert self.store is not None
         with contextlib.suppress(StoreUnavailable):
-            await self.store.call(lambda r: r.set(key, record, px=int(ttl_s * 1000)))
+            await self.store.execute("SET", key, record, "PX", int(ttl_s * 1000))
 
 
 def _entry(endpoint: str, served: str, answer: dict[str, Any], fresh_until: float, stale_s: float) -> Entry:

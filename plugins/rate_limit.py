@@ -28,22 +28,17 @@ because its store is down.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, cast
-
-from redis.exceptions import NoScriptError
+from typing import TYPE_CHECKING, ClassVar, cast
 
 from gateway.errors import RateLimitError
 from gateway.settings import ConfigError
-from gateway.store import Store, StoreUnavailable
+from gateway.store import Script, Store, StoreUnavailable
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
-
     from gateway.context import Exchange
     from gateway.plugin import Outcome, ResponseHead
     from gateway.runtime import Runtime
@@ -63,7 +58,7 @@ HEADERS = {
 # bucket: limit, period (ms), cost. Charges every bucket only if all of them have room. Returns
 # {admitted, then per bucket: remaining (whole tokens, may be negative after a correction), ms until full,
 # ms to wait before this cost fits}: integers, since Redis truncates Lua numbers.
-SCRIPT = """
+SOURCE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local force = ARGV[1] == '1'
@@ -96,7 +91,7 @@ for i = 1, #KEYS do
 end
 return out
 """
-SCRIPT_SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
+SCRIPT = Script(SOURCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +334,7 @@ class RateLimit:
         self.store = runtime.store
         # If Redis is down now, the first check that reaches it loads the script (NOSCRIPT path).
         with contextlib.suppress(StoreUnavailable):
-            await self.store.call(lambda r: cast("Any", r.script_load(SCRIPT)))
+            await self.store.execute("SCRIPT", "LOAD", SCRIPT.source)
 
     async def on_request(self, ex: Exchange) -> None:
         plan = self.plans.get((ex.tenant, ex.model))
@@ -371,18 +366,7 @@ class RateLimit:
         """Run the script in Redis, else (no Redis, Redis down, or `local`) on the in-process buckets."""
         if self.store is not None and not local:
             try:
-                return await self.store.call(lambda r: run_script(r, keys, args)), False
+                return cast("list[int]", await self.store.run(SCRIPT, keys, args)), False
             except StoreUnavailable:
                 self.fallbacks += 1
         return self.local.take(keys, args), True
-
-
-async def run_script(client: aioredis.Redis, keys: Sequence[str], args: list[int]) -> list[int]:
-    """One EVALSHA of the bucket script: one round trip per check or correction."""
-    try:
-        result = await cast("Any", client.evalsha(SCRIPT_SHA, len(keys), *keys, *args))
-    except NoScriptError:
-        # A restarted or flushed Redis has forgotten the script: load it again and go on.
-        await cast("Any", client.script_load(SCRIPT))
-        result = await cast("Any", client.evalsha(SCRIPT_SHA, len(keys), *keys, *args))
-    return cast("list[int]", result)

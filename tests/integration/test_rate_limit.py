@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from gateway.store import Store
-from plugins.rate_limit import PERIOD_MS, SCRIPT_SHA, LocalBuckets, run_script
+from plugins.rate_limit import PERIOD_MS, SCRIPT, LocalBuckets
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
 
@@ -188,14 +188,14 @@ async def test_script_and_local_buckets_agree(redis_server: RedisServer) -> None
     try:
         for args in steps:
             step_keys = keys if len(args) == 7 else keys[1:]
-            remote = await store.call(lambda r, k=step_keys, a=args: run_script(r, k, a))  # type: ignore[misc]
+            remote = await store.run(SCRIPT, step_keys, args)
             here = local.take(step_keys, args)
             assert remote[0] == here[0]
             assert remote[1::3] == here[1::3]  # remaining
             for got, want in zip(remote[2::3] + remote[3::3], here[2::3] + here[3::3], strict=True):
                 assert abs(got - want) <= 50  # ms: the two clocks differ by the time between calls
         with redis_server.client() as client:
-            assert client.script_exists(SCRIPT_SHA) == [True]
+            assert client.script_exists(SCRIPT.sha) == [True]
             assert client.exists(keys[1]) == 0  # a full bucket leaves no key
     finally:
         await store.aclose()

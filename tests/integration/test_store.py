@@ -13,9 +13,7 @@ from tests.support.redis import RedisServer
 async def test_a_burst_larger_than_the_pool_waits_instead_of_failing(redis_server: RedisServer) -> None:
     store = Store(redis_server.url, max_connections=4)
     try:
-        results = await asyncio.gather(
-            *(store.call(lambda r, i=i: r.set(f"k{i}", "v")) for i in range(64)), return_exceptions=True
-        )
+        results = await asyncio.gather(*(store.execute("SET", f"k{i}", "v") for i in range(64)), return_exceptions=True)
         assert not [r for r in results if isinstance(r, BaseException)]
         assert store.failures == 0 and store.available
     finally:
@@ -25,16 +23,16 @@ async def test_a_burst_larger_than_the_pool_waits_instead_of_failing(redis_serve
 async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server: RedisServer) -> None:
     store = Store(redis_server.url, cooldown_s=0.5)
     try:
-        assert await store.call(lambda r: r.ping())
+        assert await store.execute("PING")
         redis_server.stop()
         started = time.monotonic()
         for _ in range(20):
             with contextlib.suppress(StoreUnavailable):
-                await store.call(lambda r: r.get("x"))
+                await store.execute("GET", "x")
         assert time.monotonic() - started < 0.5  # one failed try, then the breaker answers at once
         assert store.failures == 1 and not store.available
         redis_server.start()
         await asyncio.sleep(0.6)
-        assert await store.call(lambda r: r.ping())
+        assert await store.execute("PING")
     finally:
         await store.aclose()

@@ -3,20 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
 
-from gateway.settings import ConfigError, Settings, load
+from gateway.config import describe, parse, read
+from gateway.settings import ConfigError, Settings
 
 
 def _config(path: str | None) -> Settings:
+    """The config, checked as `serve` would build it; every problem on a line of its own, then exit 2."""
     try:
-        return load(path)
+        text, source = read(path)
+        settings = parse(text, source)
+        asyncio.run(_build(settings, source))
     except ConfigError as exc:
-        sys.exit(f"sluice: config error: {exc}")
+        for line in exc.lines:
+            print(f"sluice: config error: {line}", file=sys.stderr)
+        sys.exit(2)
+    return settings
+
+
+async def _build(settings: Settings, source: str) -> None:
+    """Everything `serve` builds, short of opening sockets: providers, pools, plugins, telemetry."""
+    from gateway.runtime import Runtime
+
+    try:
+        runtime = Runtime(settings)
+    except ConfigError as exc:
+        raise ConfigError(*(f"{source}: {line}" for line in exc.lines)) from None
+    await runtime.aclose()
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -56,11 +75,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    settings = _config(args.config)
-    print(
-        f"ok: {len(settings.backends)} backend(s), {len(settings.models)} model(s), plugins: "
-        f"{', '.join(settings.plugins) or 'none'}"
-    )
+    print(describe(_config(args.config)))
 
 
 def sim(args: argparse.Namespace) -> None:

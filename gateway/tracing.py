@@ -164,13 +164,13 @@ class Tracing:
 
     # -- the completion task ------------------------------------------------------------------------------
 
-    def record(self, ex: Exchange, outcome: Outcome, cache: str) -> str | None:
+    def record(self, ex: Exchange, outcome: Outcome) -> str | None:
         """Export the request's spans if it was sampled; return its trace id (hex) then, else None."""
         traceparent = ex.traceparent
         if traceparent is None or not traceparent.endswith(b"-01"):
             return None
         trace_hex = traceparent[3:35].decode()
-        layout = Layout(ex, outcome, cache, int(traceparent[36:52], 16))
+        layout = Layout(ex, outcome, int(traceparent[36:52], 16))
         if self.submitted + layout.size - self.exporter.handed > self.capacity:
             self.count("dropped", layout.size)  # the collector is not keeping up: lose this trace, not the loop
             return None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.settings import ConfigError, load, parse
+from gateway.config import load, parse
+from gateway.settings import ConfigError
 
 BASE = """
 backends:

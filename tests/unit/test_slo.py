@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.settings import SloSettings
-from plugins.slo import DEGRADED, HEALTHY, HedgeBudget, ModelSlo, Window
+from plugins.slo import DEGRADED, HEALTHY, HedgeBudget, ModelSlo, SloSettings, Window
 
 SPEC = SloSettings(
     ttft_p95_ms=800,

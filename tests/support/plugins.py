@@ -7,14 +7,32 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from gateway.context import Exchange
 from gateway.metrics import Meter, Metrics
-from gateway.plugin import Configured
-from gateway.settings import Settings, TelemetrySettings
+from gateway.plugin import Configured, Schema
+from gateway.settings import Settings, Strict, TelemetrySettings
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
     from gateway.store import Store
 
 P = TypeVar("P")
+
+
+class GreeterSection(Strict):
+    greeting: str = "hi"
+
+
+class GreeterModel(Strict):
+    greet: bool = False
+
+
+class Greeter:
+    """A plugin from outside the gateway's package with sections of its own, top-level and per model."""
+
+    name: ClassVar[str] = "greeter"
+    schema: ClassVar[Schema] = Schema(section=GreeterSection, model=GreeterModel)
+
+    def __init__(self, config: Configured[GreeterSection, GreeterModel, Any], settings: Settings) -> None:
+        self.config = config
 
 
 class Broken:

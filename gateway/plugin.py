@@ -51,6 +51,9 @@ BUILTIN = {
     "cache": "plugins.cache:Cache",
     "slo": "plugins.slo:Slo",
 }
+# Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
+# add_arguments(parser) and main(args) -> exit code, imported only when its command runs.
+BUILTIN_COMMANDS = {"keys": ("plugins.auth.keys", "make gateway keys; add, revoke and list them in Redis")}
 
 Tap = Callable[[bytes], None]
 Problem = tuple[str, str]  # (YAML path, what is wrong there)

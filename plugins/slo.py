@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from gateway.plugin import Configured, Empty, Problem, Schema
+from gateway.quantiles import percentile
 from gateway.settings import Strict
 
 if TYPE_CHECKING:
@@ -86,9 +87,9 @@ class Window:
             samples.popleft()
         if not samples:
             return 0, 0.0, 0.0
-        ttfts = sorted(t for _, t, _ in samples if t is not None)
+        ttfts = [t for _, t, _ in samples if t is not None]
         failed = sum(1 for _, _, f in samples if f)
-        p95 = ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.95))] if ttfts else 0.0
+        p95 = percentile(ttfts, 0.95) if ttfts else 0.0
         return len(samples), p95, failed / len(samples)
 
 

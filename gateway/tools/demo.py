@@ -29,6 +29,7 @@ import uvicorn
 
 from gateway.app import SERVER_OPTIONS, Gateway, create_app
 from gateway.config import parse
+from gateway.quantiles import percentile
 from gateway.simulation import Profile
 from gateway.tools import sim
 
@@ -296,15 +297,8 @@ def paint(state: str, colour: bool) -> str:
     return f"\033[{code}m{state}\033[0m"
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
 def ms(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f} ms"
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f} ms"
 
 
 # The summary

@@ -199,7 +199,7 @@ def test_the_schemas_are_strict() -> None:
 def test_the_objects_find_each_other(overlay: list[dict[str, Any]]) -> None:
     deployment = one(overlay, "Deployment", "sluice")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"] == GATEWAY and GATEWAY.items() <= pod_labels.items()
     container = gateway_container(overlay)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 

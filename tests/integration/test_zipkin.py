@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +17,19 @@ import httpx
 import pytest
 
 from gateway.settings import ConfigError, parse
-from tests.integration.test_telemetry import CLIENT_SPAN, CLIENT_TRACE, KEY, MESSAGES, ROOT, OtlpReceiver, Span
+from tests.integration.test_telemetry import (
+    CLIENT_SPAN,
+    CLIENT_TRACE,
+    KEY,
+    MESSAGES,
+    ROOT,
+    OtlpReceiver,
+    Span,
+    metric,
+    scrape,
+)
 from tests.integration.test_telemetry import config as otlp_config
-from tests.support.gateway import RunningGateway, gateway_thread
+from tests.support.gateway import RunningGateway, free_port, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream
 from tests.support.zipkin import ZipkinReceiver, ZipkinSpan
 
@@ -124,6 +135,22 @@ def test_an_incoming_traceparent_is_continued_in_zipkin(
         stream(gw, traceparent=f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
         spans = zipkin.trace(CLIENT_TRACE, 8)
     assert spans[ROOT]["parentId"] == CLIENT_SPAN
+
+
+def test_a_zipkin_that_is_down_costs_requests_nothing(fast_export: None, upstream: ScriptedUpstream) -> None:
+    closed = f"http://127.0.0.1:{free_port()}/api/v2/spans"  # nothing listens there
+    with gateway_thread(zipkin_config(upstream.url, closed)) as gw:
+        for _ in range(10):
+            stream(gw)
+        failed = 0.0
+        deadline = time.monotonic() + 10
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.1)
+            failed = metric(scrape(gw), "sluice_trace_spans_total", result="export_failed")
+        assert failed > 0  # the export failed, and was counted
+        assert stream(gw).status_code == 200
+        stopping = time.perf_counter()
+    assert time.perf_counter() - stopping < 5.0  # shutdown does not wait on the collector
 
 
 def test_zipkin_needs_an_endpoint(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -106,10 +106,22 @@ class RedisSettings(Strict):
 
 
 class TelemetrySettings(Strict):
+    exporter: Literal["otlp", "zipkin"] = "otlp"
     otlp_endpoint: str = ""
+    zipkin_endpoint: str = Field("", validate_default=True)  # Zipkin's v2 API, e.g. http://zipkin:9411/api/v2/spans
     service_name: str = "sluice"
     sample_ratio: float = Field(1.0, ge=0, le=1)
     max_tenants: int = Field(100, ge=1)  # tenant label values in metrics; the rest are counted as "other"
+
+    @field_validator("zipkin_endpoint")
+    @classmethod
+    def _zipkin(cls, endpoint: str, info: ValidationInfo) -> str:
+        if info.data.get("exporter") == "zipkin" and not endpoint.startswith(("http://", "https://")):
+            found = f"got {endpoint!r}" if endpoint else "none is set"
+            raise ValueError(
+                f"the zipkin exporter needs an http(s) URL such as http://zipkin:9411/api/v2/spans, {found}"
+            )
+        return endpoint
 
 
 class LimitSettings(Strict):

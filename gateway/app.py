@@ -101,6 +101,9 @@ class Gateway:
     async def readyz(self, _: Request) -> Response:
         ready = self.runtime is not None and self.runtime.ready
         body = b'{"status":"ready"}' if ready else b'{"status":"warming"}'
+        if self.runtime is not None and self.runtime.upstreams.loading:  # ready, with models on their fallbacks
+            loading = sorted(self.runtime.upstreams.loading)
+            body = orjson.dumps({"status": "ready" if ready else "warming", "loading": loading})
         return Response(body, status_code=200 if ready else 503, media_type="application/json")
 
     async def list_models(self, _: Request) -> Response:

@@ -28,7 +28,7 @@ from gateway.settings import ConfigError, ModelSettings, Settings, TenantSetting
 
 DEFAULT_PATH = Path("config/gateway.yaml")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
-BACKEND_TYPES = ("openai", "azure", "vllm", "simulated")
+BACKEND_TYPES = ("openai", "azure", "vllm", "tgi", "llamacpp", "ollama", "simulated")
 
 QUICKSTART_YAML = """
 backends:

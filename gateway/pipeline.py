@@ -26,6 +26,7 @@ from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
 from gateway.streaming import find_usage, relay_stream
 from gateway.telemetry import server_timing
+from gateway.upstream import around_loading
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -77,6 +78,8 @@ class Pipeline:
             await self._reject(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
             return
         ex.targets = list(chain)
+        if self.upstreams.loading:  # empty unless a self-hosted backend is still loading its model
+            around_loading(ex, self.upstreams.loading)
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)

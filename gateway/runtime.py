@@ -10,6 +10,7 @@ from gateway.settings import Settings
 from gateway.store import Store
 from gateway.telemetry import Telemetry
 from gateway.upstream import Upstreams
+from gateway.warmup import Warmup
 
 log = logging.getLogger("sluice")
 
@@ -26,6 +27,7 @@ class Runtime:
         self.telemetry = Telemetry(settings, self.plugins, self.store)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
+        self.warmup = Warmup(settings, self.upstreams, self.meter)
         self.started = False
 
     async def start(self) -> None:
@@ -33,6 +35,7 @@ class Runtime:
         await self.upstreams.start()
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
+        await self.warmup.start()  # attempted before ready; ready whatever came of it (it is logged)
         self.started = True
 
     @property
@@ -45,6 +48,7 @@ class Runtime:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.warmup.aclose()
         await self.upstreams.aclose()
         if self.store is not None:
             await self.store.aclose()

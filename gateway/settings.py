@@ -63,6 +63,18 @@ class VLLMBackend(RemoteBackend):
     type: Literal["vllm"]
 
 
+class TGIBackend(RemoteBackend):
+    type: Literal["tgi"]  # Hugging Face text-generation-inference, through its Messages API (/v1)
+
+
+class LlamaCppBackend(RemoteBackend):
+    type: Literal["llamacpp"]  # llama.cpp's llama-server, through its OpenAI-compatible /v1 routes
+
+
+class OllamaBackend(RemoteBackend):
+    type: Literal["ollama"]  # Ollama, through its OpenAI-compatible /v1 routes
+
+
 class AzureBackend(RemoteBackend):
     type: Literal["azure"]
     # A dated version uses /openai/deployments/{deployment}/...; "v1" uses the /openai/v1/ form.
@@ -76,7 +88,10 @@ class SimulatedBackend(Strict):
     tokens: int = Field(16, ge=1)
 
 
-Backend = Annotated[OpenAIBackend | AzureBackend | VLLMBackend | SimulatedBackend, Field(discriminator="type")]
+Backend = Annotated[
+    OpenAIBackend | AzureBackend | VLLMBackend | TGIBackend | LlamaCppBackend | OllamaBackend | SimulatedBackend,
+    Field(discriminator="type"),
+]
 
 
 class PoolSettings(Strict):
@@ -88,6 +103,16 @@ class PoolSettings(Strict):
     pool_timeout_s: float = Field(10.0, gt=0)
 
 
+class WarmupSettings(Strict):
+    """Requests sent to a model's backend before the gateway reports ready, and again when it comes back."""
+
+    requests: int = Field(1, ge=0)
+    prompt: str = "Say ok."
+    max_tokens: int = Field(1, ge=1)
+    timeout_s: float = Field(30.0, gt=0)  # for all of one model's warm-up requests together
+    endpoint: Literal["chat/completions", "completions", "embeddings"] = "chat/completions"
+
+
 class ModelSettings(Strict):
     backend: str
     upstream_model: str | None = None  # default: the public name
@@ -95,6 +120,9 @@ class ModelSettings(Strict):
     first_token_deadline_ms: float | None = Field(None, gt=0)  # no first token by then -> the next target
     max_attempts: int | None = Field(None, ge=1)  # default: each target once
     max_retry_wait_ms: float = Field(1000.0, ge=0)  # a longer retry-after is left to the client
+    warmup: WarmupSettings | None = None
+    keep_warm_s: float | None = Field(None, gt=0)  # the cheapest request the server allows, this often
+    keep_alive: str | int | None = None  # Ollama's keep_alive on its native API (e.g. "30m", -1 = never unload)
 
 
 class TenantSettings(Strict):

@@ -19,8 +19,11 @@ from gateway import errors
 from gateway.context import Target
 from gateway.pool import PoolError
 from gateway.providers.azure import AzureProvider
+from gateway.providers.llamacpp import LlamaCppProvider
+from gateway.providers.ollama import OllamaProvider
 from gateway.providers.openai import OpenAIProvider
 from gateway.providers.simulated import SimulatedProvider
+from gateway.providers.tgi import TGIProvider
 from gateway.providers.vllm import VLLMProvider
 from gateway.simulation import Profile
 from gateway.streaming import FIRST_TOKEN
@@ -55,6 +58,12 @@ def build_provider(name: str, settings: Settings) -> Provider:
         return AzureProvider(name, backend, settings.pool)
     if backend.type == "vllm":
         return VLLMProvider(name, backend, settings.pool)
+    if backend.type == "tgi":
+        return TGIProvider(name, backend, settings.pool)
+    if backend.type == "llamacpp":
+        return LlamaCppProvider(name, backend, settings.pool)
+    if backend.type == "ollama":
+        return OllamaProvider(name, backend, settings.pool)
     return OpenAIProvider(name, backend, settings.pool)
 
 
@@ -75,6 +84,8 @@ class Upstreams:
         }
         # The primary then its fallback chain, each model once: the default order of `ex.targets`.
         self.chains: dict[str, tuple[Target, ...]] = {model: self._chain(model) for model in self.targets}
+        # Backends loading their model (kept by gateway/warmup.py): their models' requests try fallbacks first.
+        self.loading: set[str] = set()
 
     def _chain(self, model: str) -> tuple[Target, ...]:
         order: list[str] = []
@@ -214,6 +225,15 @@ class Upstreams:
         except BaseException:
             response.close()  # cancelled by the deadline, or failed: the upstream request ends here
             raise
+
+
+def around_loading(ex: Exchange, loading: set[str]) -> None:
+    """Targets on a backend that is loading its model go last; the request is marked a "loading" fallback."""
+    targets = ex.targets
+    ready = [t for t in targets if t.backend not in loading]
+    if ready and ready[0] is not targets[0]:
+        ex.targets = ready + [t for t in targets if t.backend in loading]
+        ex.fallback = "loading"
 
 
 def _close_late_winner(task: asyncio.Task[Opened]) -> None:

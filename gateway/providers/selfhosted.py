@@ -1,0 +1,167 @@
+"""What self-hosted inference servers share: the OpenAI wire format on the hot path, health watched beside it.
+
+vLLM, TGI, llama.cpp's server and Ollama all serve `/v1/chat/completions` (and more) in the OpenAI format, so
+requests go through the HTTP provider's warm pool unchanged. What differs is how each says it is ready: a health
+path of its own, and for some a "still loading the model" answer. That is polled in the background with httpx
+(off the hot path): every LOADING_POLL_S while the server is loading or unreachable, every UP_POLL_S once it is up.
+
+`health` is what the last check found: "unknown" (not checked yet), "loading", "up" or "down". While it is
+"loading", `loading` is True: a plain attribute, so that the request path can route around the backend with an
+attribute read (gateway/pipeline.py), and listeners (gateway/warmup.py) hear of every change to count it, warm
+the model again, and show it. `state` is what a status page shows: "loading" while loading, else the connection
+state where the HTTP provider tracks one, else `health`.
+
+Parameter quirks are refused before anything is sent: a server that answers one choice per request gets
+`n > 1` back as a 400 naming the backend, rather than a silent single choice or a 500 (the cost per request is
+one dict lookup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import httpx
+
+from gateway import errors
+from gateway.providers.http import HttpProvider
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange, Target
+    from gateway.settings import PoolSettings, RemoteBackend
+
+log = logging.getLogger("sluice.upstream")
+
+LOADING_POLL_S = 1.0
+UP_POLL_S = 10.0
+HEALTH_TIMEOUT_S = 2.0
+
+Listener = Callable[["SelfHostedProvider", str, str], None]  # (provider, before, after)
+
+
+class SelfHostedProvider(HttpProvider):
+    health_path: ClassVar[str] = "/health"  # from the server's root, i.e. base_url without its /v1
+    one_choice: ClassVar[bool] = False  # the server answers one choice per request: n > 1 is refused here
+    include_usage: ClassVar[bool] = True  # it honours stream_options.include_usage (a final usage chunk)
+
+    def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
+        super().__init__(name, backend, pool)
+        self.root = self.url.removesuffix("/v1")
+        self.health = "unknown"
+        self.loading = False
+        self.detail = ""  # what the last health check said, for logs and the status page
+        self.listeners: list[Listener] = []
+        self._check_headers = {**self.auth_headers(backend.api_key), **backend.headers}
+        self._http: httpx.AsyncClient | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def state(self) -> str:
+        if self.loading:
+            return "loading"
+        connection = getattr(super(), "state", None)  # the HTTP provider's own up/down, where it keeps one
+        return connection if isinstance(connection, str) else self.health
+
+    def body(self, ex: Exchange, target: Target) -> bytes:
+        if self.one_choice:
+            n = ex.json.get("n")
+            if n is not None and n != 1:
+                raise errors.BadRequestError(
+                    f"model {target.model!r} is served by {self.kind} (backend {self.name}), which returns one "
+                    f"choice per request: n={n} is not supported",
+                    param="n",
+                    code="unsupported_parameter",
+                )
+        return super().body(ex, target)
+
+    async def start(self) -> None:
+        await super().start()
+        verify: Any = self.ssl if self.ssl is not None else True
+        self._http = httpx.AsyncClient(
+            base_url=self.root, headers=self._check_headers, timeout=HEALTH_TIMEOUT_S, verify=verify
+        )
+        await self.check()  # known before the gateway reports ready
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def check(self) -> str:
+        """Ask the server once; update `health` (and tell the listeners when it changed)."""
+        assert self._http is not None, "provider not started"
+        try:
+            health, detail = await self.probe(self._http)
+        except httpx.HTTPError as exc:
+            health, detail = "down", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._set(health, detail)
+        return health
+
+    async def probe(self, http: httpx.AsyncClient) -> tuple[str, str]:
+        """(health, detail) from the server's health path: 200 up, 503 loading; any other answer is a server
+        that is up without that path (a proxy in front, an older version)."""
+        response = await http.get(self.health_path)
+        if response.status_code == 503:
+            return "loading", _message(response) or "503 from " + self.health_path
+        if response.status_code == 200:
+            return "up", ""
+        return "up", f"{self.health_path} answered {response.status_code}"
+
+    async def on_up(self, http: httpx.AsyncClient) -> None:
+        """Called once each time the server comes up: read what it says about itself."""
+
+    def _set(self, health: str, detail: str) -> None:
+        before = self.health
+        self.health, self.detail = health, detail
+        self.loading = health == "loading"
+        if health == before:
+            return
+        if health == "loading":
+            log.warning("backend %s: loading its model (%s)", self.name, detail)
+        elif health == "down":
+            log.warning("backend %s: health check failed: %s", self.name, detail)
+        elif before != "unknown":
+            log.info("backend %s: up (was %s)", self.name, before)
+        if health == "up" and self._http is not None:
+            task = asyncio.get_running_loop().create_task(self._on_up(self._http))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        for listener in self.listeners:
+            try:
+                listener(self, before, health)
+            except Exception:
+                log.exception("backend %s: a state listener failed", self.name)
+
+    async def _on_up(self, http: httpx.AsyncClient) -> None:
+        try:
+            await self.on_up(http)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info("backend %s: could not read its details: %s", self.name, exc)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(UP_POLL_S if self.health == "up" else LOADING_POLL_S)
+            await self.check()
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        if self._http is not None:
+            await self._http.aclose()
+        await super().aclose()
+
+
+def _message(response: httpx.Response) -> str:
+    """The error message of an OpenAI-style error body, if it is one."""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return str(error.get("message") or "")
+    return str(error) if isinstance(error, str) else ""

@@ -259,6 +259,11 @@ class Pipeline:
         if opened is not None and head.status < 400:
             outcome.usage = find_usage(body[-2048:])
 
+    async def drain(self) -> None:
+        """Wait for the step-6 work of every request served so far: for tools that exit after their requests."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
     def _record(self, ex: Exchange, outcome: Outcome) -> None:
         assert self.telemetry is not None
         try:

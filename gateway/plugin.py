@@ -53,7 +53,10 @@ BUILTIN = {
 }
 # Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
 # add_arguments(parser) and main(args) -> exit code, imported only when its command runs.
-BUILTIN_COMMANDS = {"keys": ("plugins.auth.keys", "make gateway keys; add, revoke and list them in Redis")}
+BUILTIN_COMMANDS = {
+    "keys": ("plugins.auth.keys", "make gateway keys; add, revoke and list them in Redis"),
+    "cache": ("plugins.cache.commands", "prefill the cache from a file of requests; its stats; purge a tenant"),
+}
 
 Tap = Callable[[bytes], None]
 Problem = tuple[str, str]  # (YAML path, what is wrong there)

@@ -1,9 +1,14 @@
 """cache: exact-prompt answers from memory (L1) or Redis (L2), in whichever form the client asked for.
 
-- Key: sha256 of the canonical JSON (sorted keys) of tenant, public model, endpoint and every request
-  field except the transport-only ones (`stream`, `stream_options`, `user`, `metadata`, `store`). Field
-  order and whitespace do not matter; unknown fields (vLLM's sampling extras) do. Tenants never share an
-  entry unless the model is configured `cache: {shared: true}`.
+- Key: `sluice:cache:v2:{<tenant>}:<model>:<sha256>`, the sha256 of the canonical JSON (sorted keys) of
+  tenant, public model, endpoint and every request field except the transport-only ones (`stream`,
+  `stream_options`, `user`, `metadata`, `store`). Field order and whitespace do not matter; unknown fields
+  (vLLM's sampling extras) do. Tenants never share an entry unless the model is configured
+  `cache: {shared: true}` (tenant `*` in the key). Tenant and model are in the key in clear (percent-encoded
+  where they hold anything but letters, digits and `-_.`), so that `sluice cache purge --tenant T` is a scan
+  of one prefix that can never match another tenant's keys; the tenant is the hash tag, so that a tenant's
+  entries share a Redis Cluster slot. `key()` is the only place that builds a key; `layout` the only place
+  that knows its parts (plugins/cache/layout.py).
 - Policy per model: `deterministic` (the default: only temperature 0 or a seed), `always`, `off`.
   `Cache-Control: no-cache` skips the lookup but stores the answer; `no-store` does neither.
 - Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]`. The stored
@@ -37,6 +42,7 @@ from gateway.errors import UpstreamError
 from gateway.plugin import Configured, Empty, Reply, Schema, Tap
 from gateway.settings import Strict
 from gateway.store import Store, StoreUnavailable
+from plugins.cache import layout
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -46,7 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.cache")
 
-KEY_PREFIX = "sluice:cache:v1:"
 TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
@@ -197,6 +202,7 @@ class Cache:
             timer=time.time,
             getsizeof=lambda entry: entry.size,
         )
+        self.prefixes: dict[tuple[str, str], str] = {}  # (scope, model) -> its key prefix, made once
         self.flights: dict[str, Flight] = {}
         self.store: Store | None = None
         self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
@@ -262,9 +268,12 @@ class Cache:
 
     def key(self, ex: Exchange, policy: Policy) -> str:
         fields = {k: v for k, v in ex.json.items() if k not in TRANSPORT_ONLY}
-        scope = "*" if policy.shared else ex.tenant
+        scope = layout.SHARED if policy.shared else ex.tenant
         material = orjson.dumps([scope, ex.model, ex.endpoint, fields], option=orjson.OPT_SORT_KEYS)
-        return KEY_PREFIX + hashlib.sha256(material).hexdigest()
+        prefix = self.prefixes.get((scope, ex.model))
+        if prefix is None:
+            prefix = self.prefixes[(scope, ex.model)] = layout.prefix(scope, ex.model)
+        return prefix + hashlib.sha256(material).hexdigest()
 
     async def _follow(self, ex: Exchange, flight: Flight) -> Reply | None:
         """Share `flight`'s answer; None when the leader failed before answering (then lead ourselves)."""

@@ -180,6 +180,11 @@ def references(settings: Settings) -> list[tuple[str, str]]:
     for name, model in settings.models.items():
         if model.backend not in settings.backends:
             problems.append((f"models.{name}.backend", f"no backend named {model.backend!r}"))
+        backend = settings.backends.get(model.backend)
+        if model.keep_alive is not None and backend is not None and backend.type != "ollama":
+            problems.append(
+                (f"models.{name}.keep_alive", f"only Ollama reads keep_alive; {model.backend} is {backend.type}")
+            )
         for other in model.fallback:
             if other == name:
                 problems.append((f"models.{name}.fallback", "a model cannot fall back to itself"))

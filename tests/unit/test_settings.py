@@ -45,6 +45,15 @@ def test_env_default_and_missing(monkeypatch: pytest.MonkeyPatch) -> None:
             "pool.max_connections",
         ),
         ("backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\ntypo: 1", "typo: unknown key"),
+        (
+            "backends: {s: {type: llamacpp, base_url: http://h:8080/v1}}\nmodels: {m: {backend: s, keep_alive: 5m}}",
+            "models.m.keep_alive: only Ollama reads keep_alive; s is llamacpp",
+        ),
+        (
+            "backends: {s: {type: simulated}}\nmodels: {m: {backend: s, warmup: {requests: -1}}}",
+            "models.m.warmup.requests: Input should be greater than or equal to 0",
+        ),
+        ("backends: {s: {type: simulated}}\nmodels: {m: {backend: s, keep_warm_s: 0}}", "models.m.keep_warm_s"),
         ("- a list", "top level must be a mapping"),
         ("a: [unclosed", "not valid YAML"),
     ],
@@ -67,6 +76,26 @@ def test_load_order(monkeypatch: pytest.MonkeyPatch, tmp_path: pytest.TempPathFa
     assert list(load().models) == ["only"]
     with pytest.raises(ConfigError, match="cannot read"):
         load("/nonexistent/gw.yaml")
+
+
+def test_self_hosted_backends_and_warmup() -> None:
+    settings = parse(
+        """
+backends:
+  t: {type: tgi, base_url: "http://tgi:80/v1"}
+  l: {type: llamacpp, base_url: "http://llama:8080/v1", api_key: k}
+  o: {type: ollama, base_url: "http://ollama:11434/v1"}
+models:
+  a: {backend: t, warmup: {}}
+  b: {backend: l}
+  c: {backend: o, keep_warm_s: 60, keep_alive: -1, warmup: {requests: 2, endpoint: embeddings}}
+"""
+    )
+    assert [b.type for b in settings.backends.values()] == ["tgi", "llamacpp", "ollama"]
+    warmup = settings.models["a"].warmup
+    assert warmup is not None and (warmup.requests, warmup.max_tokens, warmup.timeout_s) == (1, 1, 30.0)
+    c = settings.models["c"]
+    assert c.keep_warm_s == 60 and c.keep_alive == -1 and c.warmup is not None and c.warmup.endpoint == "embeddings"
 
 
 def test_shipped_configs_are_valid() -> None:

@@ -41,9 +41,13 @@ class OllamaProvider(SelfHostedProvider):
         health, detail = await super().probe(http)
         if health == "up":
             response = await http.get("/api/ps")
-            if response.status_code == 200:
-                models = response.json().get("models") or []
-                self.resident = frozenset(str(m.get("name") or m.get("model")) for m in models if isinstance(m, dict))
+            models: list[object] = []
+            try:
+                if response.status_code == 200:
+                    models = response.json().get("models") or []
+            except (ValueError, AttributeError):
+                models = []  # an answer we cannot read says nothing about which models are loaded
+            self.resident = frozenset(str(m.get("name") or m.get("model")) for m in models if isinstance(m, dict))
         return health, detail
 
     async def keep_warm(self, model: str, keep_alive: str | int | None, timeout_s: float) -> None:

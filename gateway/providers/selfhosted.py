@@ -141,7 +141,10 @@ class SelfHostedProvider(HttpProvider):
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(UP_POLL_S if self.health == "up" else LOADING_POLL_S)
-            await self.check()
+            try:
+                await self.check()
+            except Exception:  # a server answering nonsense must not end the watch
+                log.exception("backend %s: health check failed unexpectedly", self.name)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):

@@ -20,10 +20,10 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TextIO
+from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 import orjson
 import redis
@@ -35,6 +35,10 @@ from gateway.plugin import Configured, Empty, load_class
 from gateway.settings import ConfigError, Settings
 from gateway.store import StoreUnavailable
 from plugins.cache import Cache, _deterministic, layout
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.runtime import Runtime
 
 STAMP = "plugins.cache.commands:Stamp"
 TENANT_HEADER = b"x-sluice-prefill-tenant"
@@ -58,7 +62,7 @@ class Stamp:
     def __init__(self, _config: object, _settings: Settings) -> None:
         pass
 
-    async def on_request(self, ex: Any) -> None:
+    async def on_request(self, ex: Exchange) -> None:
         ex.tenant = (ex.header(TENANT_HEADER) or b"anonymous").decode()
 
 
@@ -149,8 +153,11 @@ async def prefill(settings: Settings, spec: str, lines: list[Line], concurrency:
 
     if not settings.redis.url:
         raise CommandError("prefill stores into Redis: set redis.url in the config")
-    # The pipeline with the cache alone: no keys to check, no budgets spent, the tenant from the line.
-    only_cache = settings.model_copy(update={"plugins": [STAMP, spec]})
+    # The pipeline with the cache alone: no keys to check, no budgets spent, the tenant from the line; and no
+    # warm-up or keep-warm requests, which are the serving gateway's business.
+    models = {name: m.model_copy(update={"warmup": None, "keep_warm_s": None}) for name, m in settings.models.items()}
+    only_cache = settings.model_copy(update={"plugins": [STAMP, spec], "models": models})
+    # As gateway/config.py sets it: the validated parts of each listed plugin, here the cache's as configured.
     only_cache._plugin_config = {STAMP: Configured(Empty(), {}, {}), spec: settings.plugin_config(spec)}
     runtime = Runtime(only_cache)
     counts = Counts()
@@ -191,7 +198,7 @@ async def prefill(settings: Settings, spec: str, lines: list[Line], concurrency:
     return counts
 
 
-async def send(runtime: Any, line: Line) -> str:
+async def send(runtime: Runtime, line: Line) -> str:
     """Drive one line through the pipeline as an ASGI request; the cache's verdict, or why it failed."""
     headers = [(b"content-type", b"application/json"), (TENANT_HEADER, line.tenant.encode())]
     scope = {"type": "http", "method": "POST", "path": f"/v1/{line.endpoint}", "headers": headers}
@@ -208,7 +215,7 @@ async def send(runtime: Any, line: Line) -> str:
         await asyncio.Event().wait()  # the client never leaves: the pipeline's watcher waits here
         raise AssertionError("unreachable")
 
-    async def collect(message: dict[str, Any]) -> None:
+    async def collect(message: MutableMapping[str, Any]) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]

@@ -231,9 +231,10 @@ def around_loading(ex: Exchange, loading: set[str]) -> None:
     """Targets on a backend that is loading its model go last; the request is marked a "loading" fallback."""
     targets = ex.targets
     ready = [t for t in targets if t.backend not in loading]
-    if ready and ready[0] is not targets[0]:
+    if ready and len(ready) < len(targets):
         ex.targets = ready + [t for t in targets if t.backend in loading]
-        ex.fallback = "loading"
+        if ready[0] is not targets[0]:
+            ex.fallback = "loading"
 
 
 def _close_late_winner(task: asyncio.Task[Opened]) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.standins import LlamaCppStandIn, OllamaStandIn, TGIStandIn
-from tests.support.upstream import Ok, Recorded, ScriptedUpstream
+from tests.support.upstream import Ok, Recorded, ScriptedUpstream, Stall
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 STANDINS: dict[str, Callable[[], ScriptedUpstream]] = {
@@ -203,3 +203,22 @@ def test_ollama_keep_warm_keeps_the_model_resident() -> None:
         assert not ollama.cold and ollama.loads == 1  # no user request paid the load
         body = [r.json for r in ollama.requests if r.path == "/api/generate"][-1]
         assert body == {"model": "local:latest", "keep_alive": "3s"}
+
+
+def test_a_warmup_that_hangs_is_bounded_by_its_timeout() -> None:
+    with ScriptedUpstream(default=Ok(ttft_ms=5, tokens=2)) as up:
+        up.script(Stall())
+        config = f"""
+backends:
+  up: {{type: openai, base_url: "{up.url}/v1"}}
+pool: {{warm_connections: 1}}
+models:
+  chat: {{backend: up, warmup: {{requests: 3, timeout_s: 1}}}}
+"""
+        started = time.monotonic()
+        with gateway_thread(config) as gw:
+            waited = time.monotonic() - started
+            assert 1.0 <= waited < 8.0  # ready after the attempt, not after its success
+            assert len(chat_calls(up)) == 1  # the hung first one; the others were not sent
+            assert up.wait_disconnect(2.0)  # and it was abandoned, not left open
+            assert client(gw).chat.completions.create(model="chat", messages=MESSAGES).choices

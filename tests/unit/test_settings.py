@@ -100,6 +100,7 @@ models:
 
 def test_shipped_configs_are_valid() -> None:
     assert "chat-large" in load("config/gateway.yaml").models
+    assert load("config/local.yaml").models["small"].keep_warm_s == 60
 
 
 SIM = "backends: {s: {type: simulated}}\nmodels: {m: {backend: s}, n: {backend: s}}\n"

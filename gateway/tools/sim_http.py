@@ -1,0 +1,139 @@
+"""The HTTP side of the stand-ins: a request/response pair over ASGI, and one uvicorn serving every replica.
+
+The stand-ins (`sim_vllm`, `sim_tgi`, `sim_llamacpp`, `sim_ollama`) model slow servers, so they trade the raw
+protocol of `gateway.tools.sim` for plain handlers: `async (Request) -> Response`. A streamed body is an async
+iterator of byte strings; a client that disconnects cancels it, so a replica frees its batch slot the way vLLM
+aborts a request whose client left. Replicas share one uvicorn server (one event loop), each on its own
+socket, and are told apart by the local port a request arrived on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import uvicorn
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON; raises ValueError when it is not."""
+        return orjson.loads(self.body)
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    body: bytes | AsyncIterator[bytes] = b""
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def json_response(status: int, document: object, headers: dict[str, str] | None = None) -> Response:
+    return Response(status, orjson.dumps(document), headers=headers or {})
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def asgi(handler: Handler, replica: int) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """An ASGI app answering with `handler`; every response names the replica in `x-sim-replica`."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        request = Request(scope["method"], scope["path"], headers, b"".join(chunks))
+        response = await handler(request)
+        head = [(b"content-type", response.content_type.encode()), (b"x-sim-replica", b"%d" % replica)]
+        head += [(name.encode(), value.encode("latin-1")) for name, value in response.headers.items()]
+        if isinstance(response.body, bytes):
+            head.append((b"content-length", b"%d" % len(response.body)))
+            await send({"type": "http.response.start", "status": response.status, "headers": head})
+            await send({"type": "http.response.body", "body": response.body})
+            return
+        head.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": response.status, "headers": head})
+        await _stream(response.body, receive, send)
+
+    return app
+
+
+async def _stream(body: AsyncIterator[bytes], receive: Receive, send: Send) -> None:
+    """Send `body` piece by piece; a disconnect cancels it (its `finally` blocks release what it holds)."""
+
+    async def pump() -> None:
+        async for piece in body:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    writer = asyncio.ensure_future(pump())
+    watcher = asyncio.ensure_future(disconnect())
+    try:
+        await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (writer, watcher):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writer
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        aclose = getattr(body, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    if writer.done() and not writer.cancelled() and writer.exception() is not None:
+        raise writer.exception()  # type: ignore[misc]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound socket that does not listen yet: a connection to it is refused until `serve` starts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def server(apps: dict[int, Callable[[Scope, Receive, Send], Awaitable[None]]]) -> uvicorn.Server:
+    """One uvicorn server for several replicas, each picked by the local port a request arrived on."""
+
+    async def dispatch(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await apps[scope["server"][1]](scope, receive, send)
+
+    config = uvicorn.Config(
+        dispatch,
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        date_header=False,
+    )
+    return uvicorn.Server(config)

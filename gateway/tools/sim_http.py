@@ -129,8 +129,10 @@ def server(apps: dict[int, Callable[[Scope, Receive, Send], Awaitable[None]]]) -
 
     config = uvicorn.Config(
         dispatch,
+        loop="none",
         http="httptools",
         lifespan="off",
+        timeout_graceful_shutdown=2,  # a stream left open does not hold up the exit
         access_log=False,
         log_level="warning",
         server_header=False,

@@ -142,7 +142,7 @@ class Model:
             "name": self.name,
             "model": self.name,
             "size": _SIZE,
-            "digest": "a80c4f17acd5" * 5 + "a80c",
+            "digest": _DIGEST,
             "details": _DETAILS,
         }
 

@@ -74,7 +74,12 @@ def standin(
     loop = asyncio.new_event_loop()
     servers: list[uvicorn.Server] = []
     main = loop.create_task(sim_fleet.run(chosen, bound, servers.append))
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main), daemon=True)
+
+    def serve() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(main)
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         if wait:

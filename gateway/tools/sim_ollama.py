@@ -69,6 +69,8 @@ def keep_alive(value: Any, default_s: float) -> float:
     text = text.lstrip("+-")
     if text == "0":
         return 0.0
+    if re.fullmatch(r"\d+(\.\d*)?", text):
+        raise ValueError(f'time: missing unit in duration "{value}"')
     parts = _DURATION.findall(text)
     if not parts or "".join(number + unit for number, unit in parts) != text:
         raise ValueError(f'time: invalid duration "{value}"')

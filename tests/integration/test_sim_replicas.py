@@ -197,3 +197,21 @@ async def test_cli_starts_replicas_on_consecutive_ports_and_prints_each() -> Non
     finally:
         process.terminate()
         await process.communicate()
+
+
+async def test_a_client_that_leaves_frees_its_batch_slot_and_its_queue_place() -> None:
+    with standin(max_batch=1, tpot_ms=50, tokens=200) as server:
+        body = {"model": "sim", "messages": [{"role": "user", "content": "long"}], "stream": True}
+        url = server.base_url() + "/chat/completions"
+        async with httpx.AsyncClient(timeout=30) as first, httpx.AsyncClient(timeout=30) as second:
+            async with first.stream("POST", url, json=body) as running:
+                chunks = running.aiter_bytes()
+                await anext(chunks)  # generating: the one batch slot is taken
+                async with second.stream("POST", url, json=body):
+                    await wait_for(lambda: server.metrics()["vllm:num_requests_waiting"] == 1)
+                # The queued client left: its place is given up.
+                await wait_for(lambda: server.metrics()["vllm:num_requests_waiting"] == 0)
+                assert server.metrics()["vllm:num_requests_running"] == 1
+                await chunks.aclose()
+            # The running client left mid-stream: its slot is free long before its 200 tokens were due.
+            await wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 0, timeout=5.0)

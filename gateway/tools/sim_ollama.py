@@ -214,10 +214,14 @@ async def _openai(engine: Engine, model: Model, body: dict[str, Any], name: str)
 
 
 async def _held(body: AsyncIterator[bytes], model: Model, keep_s: float) -> AsyncIterator[bytes]:
+    """`body`, keeping the model loaded until it ends or its client leaves."""
     try:
         async for piece in body:
             yield piece
     finally:
+        aclose = getattr(body, "aclose", None)
+        if aclose is not None:
+            await aclose()  # frees the batch slot now, not when the collector gets to it
         model.release(keep_s)
 
 

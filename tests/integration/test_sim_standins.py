@@ -59,7 +59,7 @@ async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
             assert props["total_slots"] == 8 and "n_ctx" in props["default_generation_settings"]
             models = (await http.get(server.url + "/v1/models")).json()
             assert models["data"][0]["owned_by"] == "llamacpp"
-        assert server.stats()["loads"] == 1
+        assert server.stats()["loads"] == 1  # ... and there was one
 
 
 async def test_llamacpp_refuses_n_above_one_and_names_its_own_model() -> None:
@@ -138,6 +138,16 @@ async def test_ollama_unloads_after_idle_and_the_next_request_pays_the_load_agai
             assert again >= 0.38
         stats = server.stats()
     assert stats["loads"] == 2 and stats["unloads"] == 1
+
+
+async def test_ollama_requests_arriving_during_a_load_share_it() -> None:
+    with standin("ollama", load_ms=400) as server:
+        async with httpx.AsyncClient() as http:
+            body = {"model": "sim", "messages": MESSAGES, "stream": False}
+            took = await asyncio.gather(*(timed(http, server, "/api/chat", body) for _ in range(3)))
+        assert all(seconds >= 0.38 for seconds, _ in took)  # each waited for the load ...
+        assert all(answer["load_duration"] > 0.3e9 for _, answer in took)
+        assert server.stats()["loads"] == 1  # ... and there was one
 
 
 async def test_ollama_keep_alive_sets_the_expiry_on_the_native_api_only() -> None:

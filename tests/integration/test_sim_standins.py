@@ -59,7 +59,7 @@ async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
             assert props["total_slots"] == 8 and "n_ctx" in props["default_generation_settings"]
             models = (await http.get(server.url + "/v1/models")).json()
             assert models["data"][0]["owned_by"] == "llamacpp"
-        assert server.stats()["loads"] == 1  # ... and there was one
+        assert server.stats()["loads"] == 1
 
 
 async def test_llamacpp_refuses_n_above_one_and_names_its_own_model() -> None:

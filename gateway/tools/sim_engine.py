@@ -213,7 +213,14 @@ def prompt_tokens(endpoint: str, body: dict[str, Any]) -> list[str]:
     if endpoint == "chat/completions":
         return chat_tokens(body["messages"])
     prompt = body.get("prompt")
-    return prompt.split() if isinstance(prompt, str) else [str(item) for item in prompt or ()]
+    if isinstance(prompt, str):
+        return prompt.split()
+    tokens: list[str] = []
+    for item in prompt or ():  # strings, token ids, or arrays of token ids, as the simulation counts them
+        tokens += (
+            item.split() if isinstance(item, str) else [str(i) for i in item] if isinstance(item, list) else [str(item)]
+        )
+    return tokens
 
 
 async def openai(

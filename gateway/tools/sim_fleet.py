@@ -55,6 +55,9 @@ def options(args: argparse.Namespace) -> Options:
         value = getattr(args, name)
         if value is not None and value < 1:
             sys.exit(f"sluice sim: --{name.replace('_', '-')} must be at least 1")
+    for name in ("ttft_ms", "tpot_ms", "prefill_ms_per_token", "batch_slowdown", "load_ms", "idle_unload_s"):
+        if getattr(args, name) < 0:
+            sys.exit(f"sluice sim: --{name.replace('_', '-')} must not be negative")
     return Options(
         like=args.like or "vllm",
         model=args.model,
@@ -110,7 +113,10 @@ def _counted(replica: Replica) -> Callable[[Request], Awaitable[Response]]:
 def main(args: argparse.Namespace) -> None:
     """Serve the replicas the flags describe until interrupted."""
     chosen = options(args)
-    bound = sockets(args.host, args.port, args.replicas or 1)
+    try:
+        bound = sockets(args.host, args.port, args.replicas or 1)
+    except OSError as exc:
+        sys.exit(f"sluice sim: cannot listen on {args.host} from port {args.port}: {exc.strerror}")
 
     def announce(_: uvicorn.Server) -> None:
         for i, sock in enumerate(bound):

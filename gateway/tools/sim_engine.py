@@ -6,8 +6,9 @@ What it models, per replica (see docs/simulator.md for the figures behind the de
   ones finish or their clients leave;
 - a prefix cache: the prompt (`chat_tokens`) is cut into blocks of `block_tokens` tokens, each block's hash
   chained to the previous one's, so a conversation's next turn shares its leading blocks with the turn before.
-  The cache is an LRU of `cache_blocks` block hashes. As in vLLM, a hit never covers the whole prompt: at
-  least the last token is computed, so the lookup stops one token short;
+  The cache is an LRU of `cache_blocks` block hashes, a prompt's tail evicted before its head. As in vLLM,
+  a hit never covers the whole prompt: at least the last token is computed, so the lookup stops one token
+  short;
 - time to first token: `ttft_ms` plus `prefill_ms_per_token` for each prompt token the cache did not hold;
 - time per output token: `tpot_ms * (1 + batch_slowdown * (running - 1))`, read again at every token, so a
   request slows down while others join its batch and speeds up as they leave.
@@ -159,7 +160,9 @@ class Engine:
                 break
             self.blocks.move_to_end(digest)
             hit += 1
-        for digest in hashes:
+        # Touched last block first, so the LRU gives up a prompt's tail before its head (vLLM frees a
+        # request's blocks in reverse order for the same reason): a shorter shared prefix keeps hitting.
+        for digest in reversed(hashes):
             self.blocks[digest] = None
             self.blocks.move_to_end(digest)
         while len(self.blocks) > self.options.cache_blocks:

@@ -144,6 +144,14 @@ async def test_the_prefix_cache_evicts_the_least_recently_used_blocks() -> None:
     assert stats["cached_blocks"] == 8 and stats["evictions"] == 8
 
 
+async def test_at_capacity_a_prompt_loses_its_tail_blocks_before_its_head() -> None:
+    with standin(cache_blocks=6, block_tokens=16) as server:
+        async with httpx.AsyncClient() as http:
+            assert await cached(http, server, "a") == 0
+            assert await cached(http, server, "b") == 0  # 8 blocks for 6 places: a's last 2 go
+            assert await cached(http, server, "a") == 32  # a's first 2 blocks still hit
+
+
 async def test_metrics_use_vllm_names_and_the_model_label() -> None:
     with standin(model="org/model-7b") as server:
         async with client(server) as sdk:

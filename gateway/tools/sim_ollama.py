@@ -200,21 +200,24 @@ async def _openai(engine: Engine, model: Model, body: dict[str, Any], name: str)
     """The OpenAI-compatible path: loads the model like any request, with the server's default keep-alive."""
     body = {key: value for key, value in body.items() if key not in ("n", "keep_alive")}
     keep_s = engine.options.idle_unload_s
+    if body.get("stream") is True:
+        response = await openai(engine, "chat/completions", body, name, report_cached=False)
+        if not isinstance(response.body, bytes):
+            response.body = _held(response.body, model, keep_s)
+        return response
     await model.acquire()
     try:
-        response = await openai(engine, "chat/completions", body, name, report_cached=False)
-    except BaseException:
+        return await openai(engine, "chat/completions", body, name, report_cached=False)
+    finally:
         model.release(keep_s)
-        raise
-    if isinstance(response.body, bytes):
-        model.release(keep_s)
-        return response
-    response.body = _held(response.body, model, keep_s)
-    return response
 
 
 async def _held(body: AsyncIterator[bytes], model: Model, keep_s: float) -> AsyncIterator[bytes]:
-    """`body`, keeping the model loaded until it ends or its client leaves."""
+    """`body` once the model is loaded, keeping it loaded until the stream ends or its client leaves.
+
+    The model is taken when the stream starts, not before, so a stream that never starts holds nothing.
+    """
+    await model.acquire()
     try:
         async for piece in body:
             yield piece
@@ -247,9 +250,7 @@ async def _native(engine: Engine, model: Model, path: str, body: dict[str, Any],
     pieces = [words[0]] + [" " + word for word in words[1:]]
     finish = answer["choices"][0]["finish_reason"]
     stream = body.get("stream", True) is not False
-    started = time.monotonic()
-    load_s = await model.acquire()
-    lines = _lines(engine, model, chat, name, ask, pieces, finish, keep_s, started, load_s)
+    lines = _lines(engine, model, chat, name, ask, pieces, finish, keep_s)
     if stream:
         return Response(200, lines, NDJSON)
     text = "".join(pieces)
@@ -268,11 +269,14 @@ async def _lines(
     pieces: list[str],
     finish: str,
     keep_s: float,
-    started: float,
-    load_s: float,
 ) -> AsyncIterator[bytes]:
-    """The NDJSON stream of a native answer, paced by the replica; the last line carries the timings."""
+    """The NDJSON stream of a native answer, paced by the replica; the last line carries the timings.
+
+    It takes the model (loading it if need be) when it starts, so a stream that never starts holds nothing.
+    """
     tokens = prompt_tokens("chat/completions", ask)
+    started = time.monotonic()
+    load_s = await model.acquire()
     try:
         async with engine.generation(tokens, len(pieces)) as generation:
             prefill_start = time.monotonic()

@@ -57,7 +57,7 @@ class Stats:
     paths: Counter[str] = field(default_factory=Counter)
     loads: int = 0
     unloads: int = 0
-    warmups: int = 0  # requests that load a model and generate nothing (Ollama's empty prompt)
+    warmups: int = 0  # requests that only load a model (Ollama's empty prompt) or ask for one token at most
 
 
 @dataclass(slots=True)
@@ -243,6 +243,8 @@ async def openai(
     probe = simulate(endpoint, body, model, profile)
     if probe.status != 200:
         return error(probe.status, probe.pieces[0]) if error else Response(probe.status, probe.pieces[0])
+    if probe.tokens <= 1:
+        engine.stats.warmups += 1  # what a warm-up looks like: max_tokens 1
     generation = engine.generation(prompt_tokens(endpoint, body), probe.tokens)
     if not probe.stream:
         async with generation:

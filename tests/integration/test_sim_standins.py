@@ -40,6 +40,21 @@ async def test_each_stand_in_answers_the_sdk_streamed_and_not(like: str) -> None
         assert len(usage) == 1 and usage[0].completion_tokens == 5 and chunks[-1].choices == []
 
 
+@pytest.mark.parametrize("like", ["vllm", "llamacpp"])
+async def test_completions_stream_with_usage_and_one_token_requests_count_as_warm_ups(like: str) -> None:
+    with standin(like, tokens=3) as server:
+        async with client(server) as sdk:
+            stream = await sdk.completions.create(
+                model="sim", prompt="one two three", stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [chunk async for chunk in stream]
+            await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=1)
+        stats = server.stats()
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices).split() != []
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 3
+    assert stats["warmups"] == 1 and stats["requests"]["/v1/completions"] == 1
+
+
 async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
     with standin("llamacpp", load_ms=1500) as server:
         async with httpx.AsyncClient() as http:

@@ -10,7 +10,6 @@ socket, and are told apart by the local port a request arrived on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -100,15 +99,12 @@ async def _stream(body: AsyncIterator[bytes], receive: Receive, send: Send) -> N
     finally:
         for task in (writer, watcher):
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await writer
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        failed, _ = await asyncio.gather(writer, watcher, return_exceptions=True)
         aclose = getattr(body, "aclose", None)
         if aclose is not None:
             await aclose()
-    if writer.done() and not writer.cancelled() and writer.exception() is not None:
-        raise writer.exception()  # type: ignore[misc]
+    if isinstance(failed, Exception):
+        raise failed
 
 
 def bind(host: str, port: int) -> socket.socket:

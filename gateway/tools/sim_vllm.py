@@ -23,6 +23,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
+
 from gateway.tools.sim_engine import Engine, Options, Replica, metric_lines, openai, prompt_tokens, stats_response
 from gateway.tools.sim_http import Request, Response, json_response
 
@@ -60,13 +62,18 @@ def build(options: Options, replica: int) -> Replica:
         if body.get("model", options.model) != options.model:
             return error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
         refusal = _context_check(options, endpoint, body)
-        return refusal or await openai(engine, endpoint, body, options.model)
+        return refusal or await openai(engine, endpoint, body, options.model, _reshape)
 
     return Replica(handle, engine, options.load_ms / 1000.0)
 
 
 def error(status: int, message: str, kind: str = "BadRequestError") -> Response:
     return json_response(status, {"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+def _reshape(status: int, body: bytes) -> Response:
+    """The simulation's refusal, typed as vLLM types its errors."""
+    return error(status, orjson.loads(body)["error"]["message"])
 
 
 def _context_check(options: Options, endpoint: str, body: dict[str, Any]) -> Response | None:

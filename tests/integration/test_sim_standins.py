@@ -125,6 +125,8 @@ async def test_vllm_refuses_unknown_models_and_prompts_beyond_the_context() -> N
                 await sdk.chat.completions.create(model="other", messages=MESSAGES)
             with pytest.raises(BadRequestError, match="maximum context length is 50 tokens"):
                 await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=48)
+        refused = httpx.post(server.base_url() + "/chat/completions", json={"model": "sim", "messages": []})
+        assert refused.status_code == 400 and refused.json()["error"]["type"] == "BadRequestError"
         assert httpx.get(server.url + "/version").json()["version"]
 
 

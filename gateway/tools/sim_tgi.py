@@ -1,25 +1,26 @@
 """A stand-in for Hugging Face Text Generation Inference (TGI) and its Messages API, on the replica model.
 
-Paths (huggingface.co/docs/text-generation-inference, "Messages API" and the router's OpenAPI spec):
-`GET /health` (200, empty body), `GET /info` (the model and router limits), `GET /v1/models`,
-`POST /v1/chat/completions`, `GET /metrics` (`tgi_queue_size`, `tgi_batch_current_size`).
+Paths, as `router/src/server.rs` of huggingface/text-generation-inference routes them: `GET /health` (200,
+empty body), `GET /info` (the model and router limits), `GET /v1/models` (`created` 0, `owned_by` the model
+id), `POST /v1/chat/completions`, `POST /v1/completions`, `GET /metrics` (`tgi_queue_size`,
+`tgi_batch_current_size`).
 
 Quirks a gateway meets, with where they come from:
 
-- Start-up: the launcher starts the router, and so opens the port, only once the shards have loaded the
-  model, so for `load_ms` connections are refused.
-- `model` and `n` are read and ignored: both are marked UNUSED on `ChatRequest` in `router/src/lib.rs`;
+- Start-up: the launcher (`launcher/src/main.rs`) spawns the webserver, and so opens the port, only once
+  the shards report ready, so for `load_ms` connections are refused.
+- `model` and `n` are read and ignored: both are marked UNUSED on `ChatRequest` (`router/src/lib.rs`);
   answers name the served model id and carry one choice.
-- `stream_options.include_usage` is ignored (huggingface/text-generation-inference#2531): a stream carries
-  no usage chunk; non-stream answers do carry usage.
+- `stream_options.include_usage` is honoured (`router/src/chat.rs`: a chunk with empty `choices` and the
+  usage before `[DONE]`); releases before it (huggingface/text-generation-inference#2531) sent none.
 - Token limits are validated, and a refusal is TGI's own error shape, not OpenAI's: status 422 with
-  `{"error": "Input validation error: ...", "error_type": "validation"}`, when the prompt reaches
-  `max_input_tokens` or prompt + `max_tokens` exceeds `max_total_tokens` (`--max-model-len`).
+  `{"error": "Input validation error: ...", "error_type": "validation"}` (`router/src/validation.rs`), when
+  the prompt reaches `max_input_tokens` or prompt + `max_tokens` exceeds `max_total_tokens`
+  (`--max-model-len`).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -28,12 +29,12 @@ from gateway.tools.sim_engine import Engine, Options, Replica, metric_lines, ope
 from gateway.tools.sim_http import Request, Response, json_response
 
 VERSION = "3.0.1"
-_IGNORED = ("model", "n", "stream_options")
+_IGNORED = ("model", "n")
+_ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 
 
 def build(options: Options, replica: int) -> Replica:
     engine = Engine(options, replica)
-    created = int(time.time())
 
     async def handle(request: Request) -> Response:
         path = request.path
@@ -42,13 +43,14 @@ def build(options: Options, replica: int) -> Replica:
         if path == "/info":
             return json_response(200, info(options))
         if path == "/v1/models":
-            model = {"id": options.model, "object": "model", "created": created, "owned_by": options.model}
+            model = {"id": options.model, "object": "model", "created": 0, "owned_by": options.model}
             return json_response(200, {"object": "list", "data": [model]})
         if path == "/metrics":
             return Response(200, _metrics(engine).encode(), "text/plain; version=0.0.4")
         if path == "/_sim/stats":
             return stats_response(engine)
-        if path != "/v1/chat/completions":
+        endpoint = _ENDPOINTS.get(path)
+        if endpoint is None:
             return Response(404, b"", "text/plain")
         if request.method != "POST":
             return Response(405, b"", "text/plain")
@@ -59,8 +61,8 @@ def build(options: Options, replica: int) -> Replica:
         if not isinstance(body, dict):
             return validation("Failed to deserialize the JSON body into the target type: expected a map")
         body = {key: value for key, value in body.items() if key not in _IGNORED}
-        refusal = _limits(options, body)
-        return refusal or await openai(engine, "chat/completions", body, options.model, _reshape)
+        refusal = _limits(options, endpoint, body)
+        return refusal or await openai(engine, endpoint, body, options.model, _reshape, report_cached=False)
 
     return Replica(handle, engine, options.load_ms / 1000.0)
 
@@ -96,12 +98,14 @@ def _reshape(status: int, body: bytes) -> Response:
     return validation(f"Input validation error: {message}") if status == 400 else Response(status, body)
 
 
-def _limits(options: Options, body: dict[str, Any]) -> Response | None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+def _limits(options: Options, endpoint: str, body: dict[str, Any]) -> Response | None:
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if endpoint == "chat/completions" and not (isinstance(messages, list) and messages):
         return None  # the simulation's own validation answers
+    if endpoint == "completions" and not isinstance(prompt, (str, list)):
+        return None
     try:
-        count = len(prompt_tokens("chat/completions", body))
+        count = len(prompt_tokens(endpoint, body))
     except (KeyError, TypeError, AttributeError):
         return None
     total = options.max_model_len

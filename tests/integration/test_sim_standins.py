@@ -34,13 +34,10 @@ async def test_each_stand_in_answers_the_sdk_streamed_and_not(like: str) -> None
     assert text == whole.choices[0].message.content and len(text.split()) == 5
     assert whole.usage is not None and whole.usage.completion_tokens == 5
     usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
-    if like == "tgi":
-        assert usage == []  # TGI ignores stream_options
-    else:
-        assert len(usage) == 1 and usage[0].completion_tokens == 5 and chunks[-1].choices == []
+    assert len(usage) == 1 and usage[0].completion_tokens == 5 and chunks[-1].choices == []
 
 
-@pytest.mark.parametrize("like", ["vllm", "llamacpp"])
+@pytest.mark.parametrize("like", ["vllm", "tgi", "llamacpp"])
 async def test_completions_stream_with_usage_and_one_token_requests_count_as_warm_ups(like: str) -> None:
     with standin(like, tokens=3) as server:
         async with client(server) as sdk:

@@ -18,10 +18,11 @@ Loading, as Ollama does it:
 - `/api/chat` with no messages, or `/api/generate` with an empty prompt, only loads the model (answer
   `done_reason: "load"`, counted as a warm-up); with `keep_alive: 0` it unloads it (`done_reason: "unload"`).
 
-Also as Ollama does: a model name without a tag means `:latest`; an unknown model is a 404 ("model ... not
-found, try pulling it first"); native errors are `{"error": "..."}`; `stream_options.include_usage` is
-honoured on `/v1`; usage carries no cached-token details; the native `prompt_eval_count` counts the prompt
-tokens it evaluated, so a prefix the runner had cached is not counted.
+Also as Ollama does (`server/routes.go`, `openai/openai.go`, `api/types.go`): a model name without a tag
+means `:latest`; an unknown model is a 404 "model 'x' not found", `{"error": "..."}` natively and
+`{"error": {"message", "type": "not_found_error"}}` on `/v1`; `stream_options.include_usage` is honoured on
+`/v1`, where usage is the native counts (`prompt_eval_count` includes a cached prefix) with no cached-token
+details.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from gateway.simulation import simulate
 from gateway.tools.sim_engine import Engine, Options, Replica, openai, prompt_tokens, stats_response
 from gateway.tools.sim_http import Request, Response, json_response
 
-VERSION = "0.9.0"
+VERSION = "0.33.0"
 NDJSON = "application/x-ndjson"
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_GO_TYPES = {bool: "bool", list: "[]interface {}"}  # what Go's JSON decoding calls them
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _FOREVER_S = 10**10  # how /api/ps shows a model kept loaded for good: an expiry centuries away
 _SIZE = 2_019_393_189
@@ -63,7 +65,8 @@ def keep_alive(value: Any, default_s: float) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, str):
-        raise ValueError(f"invalid keep_alive {orjson.dumps(value).decode()}")
+        kind = _GO_TYPES.get(type(value), "map[string]interface {}")
+        raise ValueError(f"Unsupported type: '{kind}'")
     text = value.strip()
     sign = -1.0 if text.startswith("-") else 1.0
     text = text.lstrip("+-")
@@ -184,7 +187,7 @@ def build(options: Options, replica: int) -> Replica:
         if not isinstance(name, str) or not name:
             return _error(path, 400, "model is required")
         if _full_name(name) != model.name:
-            return _error(path, 404, f'model "{name}" not found, try pulling it first')
+            return _error(path, 404, f"model '{name}' not found")
         if path == "/v1/chat/completions":
             return await _openai(engine, model, body, name)
         try:
@@ -293,7 +296,7 @@ async def _lines(
             "done": True,
             "total_duration": _ns(end - started),
             "load_duration": _ns(load_s),
-            "prompt_eval_count": len(tokens) - generation.cached,
+            "prompt_eval_count": len(tokens),
             "prompt_eval_duration": _ns(eval_start - prefill_start),
             "eval_count": len(pieces),
             "eval_duration": _ns(end - eval_start),
@@ -330,12 +333,13 @@ def _head(chat: bool, name: str, text: str) -> dict[str, Any]:
 
 
 def _running(model: Model) -> dict[str, Any]:
-    return {**model.listing(), "expires_at": _iso(model.expires_at), "size_vram": _SIZE}
+    expires = _iso(model.expires_at)
+    return {**model.listing(), "expires_at": expires, "size_vram": _SIZE, "context_length": model.options.max_model_len}
 
 
 def _error(path: str, status: int, message: str) -> Response:
     if path.startswith("/v1/"):
-        kind = "api_error" if status == 404 else "invalid_request_error"
+        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "api_error")
         return json_response(status, {"error": {"message": message, "type": kind, "param": None, "code": None}})
     return json_response(status, {"error": message})
 

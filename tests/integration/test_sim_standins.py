@@ -217,15 +217,19 @@ async def test_ollama_native_streams_are_ndjson_and_unknown_models_404() -> None
                 assert response.headers["content-type"] == "application/x-ndjson"
                 lines = [httpx.Response(200, content=line).json() async for line in response.aiter_lines() if line]
             assert [line["done"] for line in lines] == [False] * 4 + [True]
-            assert lines[-1]["eval_count"] == 4 and lines[-1]["prompt_eval_count"] > 0
+            assert lines[-1]["eval_count"] == 4 and lines[-1]["prompt_eval_count"] == 4 + 2
             missing = await http.post(server.url + "/api/chat", json={"model": "nope", "messages": MESSAGES})
-            assert missing.status_code == 404 and missing.json() == {
-                "error": 'model "nope" not found, try pulling it first'
-            }
+            assert missing.status_code == 404 and missing.json() == {"error": "model 'nope' not found"}
             tags = (await http.get(server.url + "/api/tags")).json()["models"]
             assert [tag["name"] for tag in tags] == ["sim:latest"]
             assert (await http.get(server.url + "/api/version")).json()["version"]
             assert (await http.get(server.url + "/")).text == "Ollama is running"
         async with client(server) as sdk:
-            with pytest.raises(NotFoundError):
+            with pytest.raises(NotFoundError) as missing_v1:
                 await sdk.chat.completions.create(model="nope", messages=MESSAGES)
+        assert missing_v1.value.body == {
+            "message": "model 'nope' not found",
+            "type": "not_found_error",
+            "param": None,
+            "code": None,
+        }

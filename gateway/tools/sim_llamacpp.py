@@ -1,14 +1,15 @@
 """A stand-in for llama.cpp's `llama-server`, on the replica model (its slots are the batch).
 
 Paths (github.com/ggml-org/llama.cpp, tools/server/README.md): `GET /health` and `/v1/health`,
-`GET /v1/models` and `/models`, `GET /props`, `GET /metrics` (with `--metrics`), `POST /v1/chat/completions`
-and `/chat/completions`, `POST /v1/completions` and `/completions`.
+`GET /v1/models`, `/models` and `/api/tags`, `GET /props`, `GET /metrics` (with `--metrics`),
+`POST /v1/chat/completions` and `/chat/completions`, `POST /v1/completions` and `/completions`.
 
 Behaviour a gateway meets, with where it comes from:
 
-- Start-up: the port opens at once and, until the model is loaded (`load_ms`), every path answers 503
-  `{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}`; then `/health` is 200
-  `{"status": "ok"}`.
+- Start-up: the port opens at once and, until the model is loaded (`load_ms`), every path but the model
+  lists (`/models`, `/v1/models`, `/api/tags`, which the server's `middleware_server_state` lets through)
+  answers 503 `{"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}`; then
+  `/health` is 200 `{"status": "ok"}`.
 - `n` other than 1 is refused: "Only one completion choice is allowed" (`oaicompat_chat_params_parse` in the
   server's utils); errors are `{"error": {"code", "message", "type"}}`.
 - `model` is not checked: the server has one model and names it (its alias) in every answer.
@@ -47,6 +48,8 @@ def build(options: Options, replica: int) -> Replica:
         path = request.path
         if path == "/_sim/stats":
             return stats_response(engine)
+        if path in ("/v1/models", "/models", "/api/tags"):
+            return json_response(200, _models(options, created))
         if not loaded:
             if time.monotonic() < ready_at:
                 return json_response(503, _LOADING)
@@ -54,8 +57,6 @@ def build(options: Options, replica: int) -> Replica:
             engine.stats.loads += 1
         if path in ("/health", "/v1/health"):
             return json_response(200, {"status": "ok"})
-        if path in ("/v1/models", "/models"):
-            return json_response(200, _models(options, created))
         if path == "/props":
             return json_response(200, _props(options))
         if path == "/metrics":

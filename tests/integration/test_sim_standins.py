@@ -62,6 +62,7 @@ async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
                 with pytest.raises(InternalServerError) as refused:
                     await sdk.chat.completions.create(model="sim", messages=MESSAGES)
             assert refused.value.status_code == 503
+            assert (await http.get(server.url + "/v1/models")).status_code == 200  # answered while loading
             deadline = time.monotonic() + 15
             while (health := await http.get(server.url + "/health")).status_code == 503:
                 assert time.monotonic() < deadline

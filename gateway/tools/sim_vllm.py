@@ -9,7 +9,10 @@ Behaviour that matters to a router:
 - Start-up: the API server binds its port only after the model is loaded, so for `load_ms` connections are
   refused rather than answered 503.
 - `stream_options.include_usage` is honoured (a final chunk with empty `choices` and the usage), and usage
-  reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit.
+  reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit. As in vLLM's `protocol.py`,
+  `include_usage` defaults to true once `stream_options` is given, and a non-empty `stream_options` on a
+  request that does not stream is a 400 ("Stream options can only be defined when `stream=True`.").
+  Not modelled: `continuous_usage_stats`.
 - The context limit: a prompt plus `max_tokens` beyond `--max-model-len` is a 400 BadRequestError naming both
   counts; without `max_tokens`, only a prompt longer than the limit is refused.
 - Metrics, labelled `model_name` (and `engine="0"` as vLLM V1 does): `vllm:num_requests_running`,
@@ -61,6 +64,11 @@ def build(options: Options, replica: int) -> Replica:
             return error(400, "the request body must be a JSON object")
         if body.get("model", options.model) != options.model:
             return error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        options_given = body.get("stream_options")
+        if options_given and not body.get("stream"):
+            return error(400, "Stream options can only be defined when `stream=True`.")
+        if isinstance(options_given, dict) and "include_usage" not in options_given:
+            body = {**body, "stream_options": {**options_given, "include_usage": True}}  # vLLM's default
         refusal = _context_check(options, endpoint, body)
         return refusal or await openai(engine, endpoint, body, options.model, _reshape)
 

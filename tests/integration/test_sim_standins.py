@@ -116,13 +116,19 @@ async def test_tgi_info_limits_and_its_own_error_shape() -> None:
     assert answer.model == "org/tgi-model" and len(answer.choices) == 1  # model and n are ignored
 
 
-async def test_vllm_refuses_unknown_models_and_prompts_beyond_the_context() -> None:
+async def test_vllm_refusals_and_its_stream_options_rules() -> None:
     with standin("vllm", max_model_len=50) as server:
         async with client(server) as sdk:
             with pytest.raises(NotFoundError):
                 await sdk.chat.completions.create(model="other", messages=MESSAGES)
             with pytest.raises(BadRequestError, match="maximum context length is 50 tokens"):
                 await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=48)
+            with pytest.raises(BadRequestError, match="Stream options can only be defined when `stream=True`"):
+                await sdk.chat.completions.create(
+                    model="sim", messages=MESSAGES, stream_options={"include_usage": True}
+                )
+            stream = await sdk.chat.completions.create(model="sim", messages=MESSAGES, stream=True, stream_options={})
+            assert [chunk async for chunk in stream][-1].usage is not None  # include_usage defaults to true
         refused = httpx.post(server.base_url() + "/chat/completions", json={"model": "sim", "messages": []})
         assert refused.status_code == 400 and refused.json()["error"]["type"] == "BadRequestError"
         assert httpx.get(server.url + "/version").json()["version"]

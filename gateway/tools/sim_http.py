@@ -3,7 +3,8 @@
 The stand-ins (`sim_vllm`, `sim_tgi`, `sim_llamacpp`, `sim_ollama`) model slow servers, so they trade the raw
 protocol of `gateway.tools.sim` for plain handlers: `async (Request) -> Response`. A streamed body is an async
 iterator of byte strings; a client that disconnects cancels it, so a replica frees its batch slot the way vLLM
-aborts a request whose client left. Replicas share one uvicorn server (one event loop), each on its own
+aborts a request whose client left; a client that leaves before a whole (non-streamed) answer is ready
+cancels its handler the same way. Replicas share one uvicorn server (one event loop), each on its own
 socket, and are told apart by the local port a request arrived on.
 """
 
@@ -65,22 +66,52 @@ def asgi(handler: Handler, replica: int) -> Callable[[Scope, Receive, Send], Awa
                 break
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         request = Request(scope["method"], scope["path"], headers, b"".join(chunks))
-        response = await handler(request)
-        head = [(b"content-type", response.content_type.encode()), (b"x-sim-replica", b"%d" % replica)]
-        head += [(name.encode(), value.encode("latin-1")) for name, value in response.headers.items()]
-        if isinstance(response.body, bytes):
-            head.append((b"content-length", b"%d" % len(response.body)))
-            await send({"type": "http.response.start", "status": response.status, "headers": head})
-            await send({"type": "http.response.body", "body": response.body})
-            return
-        head.append((b"cache-control", b"no-cache"))
-        await send({"type": "http.response.start", "status": response.status, "headers": head})
-        await _stream(response.body, receive, send)
+        gone = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch(receive, gone))
+        try:
+            response = await _unless_gone(handler(request), gone)
+            if response is not None:
+                await _send(response, replica, send, gone)
+        finally:
+            watcher.cancel()
 
     return app
 
 
-async def _stream(body: AsyncIterator[bytes], receive: Receive, send: Send) -> None:
+async def _watch(receive: Receive, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+async def _unless_gone(answer: Awaitable[Response], gone: asyncio.Event) -> Response | None:
+    """The handler's response, or None if the client left first (the handler is then cancelled)."""
+    task = asyncio.ensure_future(answer)
+    waiter = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, waiter, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+async def _send(response: Response, replica: int, send: Send, gone: asyncio.Event) -> None:
+    head = [(b"content-type", response.content_type.encode()), (b"x-sim-replica", b"%d" % replica)]
+    head += [(name.encode(), value.encode("latin-1")) for name, value in response.headers.items()]
+    if isinstance(response.body, bytes):
+        head.append((b"content-length", b"%d" % len(response.body)))
+        await send({"type": "http.response.start", "status": response.status, "headers": head})
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    head.append((b"cache-control", b"no-cache"))
+    await send({"type": "http.response.start", "status": response.status, "headers": head})
+    await _stream(response.body, send, gone)
+
+
+async def _stream(body: AsyncIterator[bytes], send: Send, gone: asyncio.Event) -> None:
     """Send `body` piece by piece; a disconnect cancels it (its `finally` blocks release what it holds)."""
 
     async def pump() -> None:
@@ -88,18 +119,14 @@ async def _stream(body: AsyncIterator[bytes], receive: Receive, send: Send) -> N
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    async def disconnect() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
     writer = asyncio.ensure_future(pump())
-    watcher = asyncio.ensure_future(disconnect())
+    waiter = asyncio.ensure_future(gone.wait())
     try:
-        await asyncio.wait((writer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((writer, waiter), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (writer, watcher):
+        for task in (writer, waiter):
             task.cancel()
-        failed, _ = await asyncio.gather(writer, watcher, return_exceptions=True)
+        failed, _ = await asyncio.gather(writer, waiter, return_exceptions=True)
         aclose = getattr(body, "aclose", None)
         if aclose is not None:
             await aclose()

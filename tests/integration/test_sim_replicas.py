@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import socket
@@ -223,3 +224,16 @@ async def test_a_client_that_leaves_frees_its_batch_slot_and_its_queue_place() -
                 await chunks.aclose()
             # The running client left mid-stream: its slot is free long before its 200 tokens were due.
             await wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 0, timeout=5.0)
+
+
+async def test_a_client_that_leaves_before_a_whole_answer_frees_its_slot() -> None:
+    with standin(max_batch=1, tpot_ms=50, tokens=200) as server:
+        body = {"model": "sim", "messages": [{"role": "user", "content": "long"}]}
+        async with httpx.AsyncClient() as http:
+            call = asyncio.ensure_future(http.post(server.base_url() + "/chat/completions", json=body, timeout=30))
+            await wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 1)
+            call.cancel()  # the client gives up on a 10 s answer
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+            await wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 0, timeout=5.0)
+        assert server.stats()["generation_tokens"] < 100

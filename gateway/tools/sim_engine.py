@@ -31,6 +31,8 @@ from gateway.simulation import Profile, chat_tokens, simulate
 from gateway.tools.sim_http import Handler, Response, json_response
 
 LIKES = ("vllm", "tgi", "llamacpp", "ollama")
+# Requests running at once unless told: Ollama runs one at a time (OLLAMA_NUM_PARALLEL defaults to 1).
+BATCH = {"vllm": 8, "tgi": 8, "llamacpp": 8, "ollama": 1}
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import uvicorn
 
 from gateway.simulation import Profile
 from gateway.tools import sim_llamacpp, sim_ollama, sim_tgi, sim_vllm
-from gateway.tools.sim_engine import LIKES, Options, Replica
+from gateway.tools.sim_engine import BATCH, LIKES, Options, Replica
 from gateway.tools.sim_http import Request, Response, asgi, bind, server
 
 _BUILDERS: dict[str, Callable[[Options, int], Replica]] = {
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, help="run N stand-in replicas on ports P, P+1, ... (default like vllm)")
     p.add_argument("--like", choices=LIKES, help="behave like this server (one replica unless --replicas)")
     p.add_argument("--model", default=defaults.model, help="the model name served")
-    p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="requests running at once")
+    p.add_argument("--max-batch", type=int, help="requests running at once (default 8, Ollama 1)")
     p.add_argument("--cache-blocks", type=int, default=defaults.cache_blocks, help="prefix-cache capacity")
     p.add_argument("--block-tokens", type=int, default=defaults.block_tokens, help="tokens per cache block")
     p.add_argument("--prefill-ms-per-token", type=float, default=defaults.prefill_ms_per_token)
@@ -62,7 +62,7 @@ def options(args: argparse.Namespace) -> Options:
         like=args.like or "vllm",
         model=args.model,
         profile=Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens),
-        max_batch=args.max_batch,
+        max_batch=args.max_batch or BATCH[args.like or "vllm"],
         cache_blocks=args.cache_blocks,
         block_tokens=args.block_tokens,
         prefill_ms_per_token=args.prefill_ms_per_token,

@@ -25,7 +25,7 @@ import uvicorn
 
 from gateway.simulation import Profile
 from gateway.tools import sim_fleet
-from gateway.tools.sim_engine import Options
+from gateway.tools.sim_engine import BATCH, Options
 
 FAST = Profile(ttft_ms=5.0, tpot_ms=2.0, tokens=6)
 
@@ -68,7 +68,8 @@ def standin(
     `options` are `Options` fields, and `ttft_ms`, `tpot_ms`, `tokens` change the profile (FAST unless told).
     """
     timing = {name: options.pop(name) for name in ("ttft_ms", "tpot_ms", "tokens") if name in options}
-    chosen = Options(like=like, **{"profile": dataclasses.replace(FAST, **timing), **options})
+    defaults = {"profile": dataclasses.replace(FAST, **timing), "max_batch": BATCH[like]}
+    chosen = Options(like=like, **{**defaults, **options})
     bound = sim_fleet.sockets("127.0.0.1", 0, replicas)
     running = Standins([sock.getsockname()[1] for sock in bound])
     loop = asyncio.new_event_loop()

@@ -83,7 +83,11 @@ def check(args: argparse.Namespace) -> None:
 def sim(args: argparse.Namespace) -> None:
     from gateway.simulation import Profile
     from gateway.tools import sim as simulator
+    from gateway.tools import sim_fleet
 
+    if sim_fleet.wanted(args):
+        sim_fleet.main(args)
+        return
     simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
 
 
@@ -120,6 +124,9 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=150.0)
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
+    from gateway.tools import sim_fleet
+
+    sim_fleet.add_arguments(p)
     p.set_defaults(run=sim)
 
     for name, (module, summary) in TOOLS.items():

@@ -23,13 +23,10 @@ from typing import Any
 
 import orjson
 
+from gateway.completion import sse
+
 JSON = b"application/json"
 SSE = b"text/event-stream"
-
-
-def sse(data: bytes) -> bytes:
-    """One SSE event carrying `data` (a JSON document or `[DONE]`)."""
-    return b"data: " + data + b"\n\n"
 
 
 DONE = sse(b"[DONE]")

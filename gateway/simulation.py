@@ -23,13 +23,13 @@ from typing import Any
 
 import orjson
 
+from gateway.completion import DONE_EVENT as DONE
 from gateway.completion import sse
 
 JSON = b"application/json"
 SSE = b"text/event-stream"
 
 
-DONE = sse(b"[DONE]")
 _SLOT = b"\0"  # where a token goes in an event template
 
 # 64 words, so that one hash byte picks one word with `& 63`.

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -161,13 +162,36 @@ class RedisCluster:
         return redis.Redis(port=port, socket_timeout=2, decode_responses=True)
 
     def master_of(self, key: str) -> RedisServer:
-        """The server that serves `key`'s slot now."""
-        with self.client(self.servers[0].port) as client:
+        """The server that serves `key`'s slot now, as a live node sees it."""
+        with self.client(next(s.port for s in self.servers if s.proc is not None)) as client:
             slot = client.execute_command("CLUSTER", "KEYSLOT", key)
             for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
                 if start <= slot <= end:
                     return next(s for s in self.servers if s.port == master[1])
         raise LookupError(key)
+
+    def master_of_port(self, port: int) -> bool:
+        with self.client(port) as client:
+            return bool(client.info("replication").get("role") == "master")
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if condition():
+                    return
+            except (redis.RedisError, LookupError, StopIteration):
+                pass  # a node mid-failover: ask again
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not reach the expected state in time")
+            time.sleep(0.05)
+
+    def wait_until_synced(self, replica: RedisServer) -> None:
+        def synced() -> bool:
+            with self.client(replica.port) as client:
+                return bool(client.info("replication").get("master_link_status") == "up")
+
+        self.wait_until(synced)
 
     def replica_of(self, master: RedisServer) -> RedisServer:
         for server in self.servers:

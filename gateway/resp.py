@@ -20,7 +20,7 @@ import collections
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
@@ -116,6 +116,16 @@ def parse_url(url: str, **limits: Any) -> tuple[list[tuple[str, int]], Options, 
     return addresses, options, scheme.endswith("+cluster")
 
 
+def node_urls(url: str) -> list[str]:
+    """Plain `redis[s]://` URLs, one per node the URL names (the seeds of a cluster), for a library client
+    off the request path: pub/sub, where a cluster delivers a PUBLISH to the subscribers of every node."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower().removesuffix("+cluster")
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    query = f"?{parts.query}" if parts.query else ""
+    return [f"{scheme}://{userinfo}{at}{host.strip()}{parts.path}{query}" for host in hosts.split(",")]
+
+
 class Batch:
     """Several replies awaited as one (a pipeline): settled when the last of them has arrived."""
 
@@ -138,8 +148,7 @@ class Connection(asyncio.Protocol):
         self.stalled = False  # a call timed out and nothing has been read since
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass, but is one
 
     def send(self, data: bytes, waiter: asyncio.Future[Any] | Batch) -> None:
         assert self.transport is not None

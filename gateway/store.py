@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.cluster import Cluster
-from gateway.resp import Arg, Client, Redis, ReplyError, parse_url
+from gateway.resp import Arg, Client, Redis, ReplyError, node_urls, parse_url
 
 log = logging.getLogger("sluice.store")
 
@@ -68,6 +68,11 @@ class Store:
         self.failures = 0  # total, for metrics
 
     @property
+    def node_urls(self) -> list[str]:
+        """A plain URL per node named by `url` (a cluster's seeds), for redis-py clients off the request path."""
+        return node_urls(self.url)
+
+    @property
     def available(self) -> bool:
         return time.monotonic() >= self.open_until
 
@@ -76,7 +81,7 @@ class Store:
         self._check()
         try:
             result = await self.client.call(command)
-        except (ReplyError, OSError) as exc:
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
         self._recovered()
         return result
@@ -86,7 +91,7 @@ class Store:
         self._check()
         try:
             result = await self.client.pipeline(commands)
-        except (ReplyError, OSError) as exc:
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
         self._recovered()
         return result
@@ -102,7 +107,7 @@ class Store:
                     raise
                 # EVAL runs the script and caches it, in the same round trip and on the node that owns the keys.
                 result = await self.client.call(("EVAL", script.source, len(keys), *keys, *args))
-        except (ReplyError, OSError) as exc:
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
         self._recovered()
         return result

@@ -12,7 +12,9 @@ import sys
 
 import orjson
 import redis
+import redis.cluster
 
+from gateway.resp import node_urls
 from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
 
 PREFIX = "sk-sluice-"
@@ -33,9 +35,11 @@ def hex_digest(key: str | None, hashed: str | None) -> str:
     sys.exit("sluice keys: give --key KEY or --hash sha256:<64 hex digits>")
 
 
-def client(url: str) -> redis.Redis:
+def client(url: str) -> redis.Redis | redis.cluster.RedisCluster:
     if not url:
         sys.exit("sluice keys: no Redis configured: pass --redis URL or a config with redis.url")
+    if url.partition("://")[0].lower().endswith("+cluster"):  # redis-py finds the others from one seed
+        return redis.cluster.RedisCluster.from_url(node_urls(url)[0], socket_timeout=2, socket_connect_timeout=2)
     return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 

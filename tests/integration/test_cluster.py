@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
 import pytest
 import redis
 
 from gateway.cluster import Cluster, slot
 from gateway.store import Script, Store, StoreUnavailable
+from gateway.tools.keys import add, new_key, revoke
+from tests.support.gateway import gateway_thread
 from tests.support.redis import RedisCluster
 
 KEYS = [f"key-{i}" for i in range(60)]
@@ -137,3 +140,33 @@ async def test_a_killed_master_is_replaced_by_its_replica_without_a_restart() ->
     finally:
         await store.aclose()
         cluster.__exit__()
+
+
+def test_keys_added_and_revoked_on_a_cluster_reach_the_gateway(redis_cluster: RedisCluster) -> None:
+    key, hashed = new_key()
+    hexdigest = hashed.removeprefix("sha256:")
+    add(redis_cluster.url, "beta", hexdigest, None)  # `sluice keys` on the cluster URL
+    config = f"""
+backends:
+  sim: {{type: simulated, ttft_ms: 1, tpot_ms: 0, tokens: 3}}
+models:
+  chat: {{backend: sim}}
+redis: {{url: "{redis_cluster.url}"}}
+auth: {{required: true, cache_ttl_s: 60}}
+plugins: [auth]
+"""
+    with gateway_thread(config) as gw:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+        ask = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+        assert client.chat.completions.create(**ask).choices  # type: ignore[call-overload]
+        deadline = time.monotonic() + 10
+        while True:  # the listener subscribes in the background; a revocation before that is only TTL-bound
+            revoke(redis_cluster.url, hexdigest)
+            try:
+                client.chat.completions.create(**ask)  # type: ignore[call-overload]
+            except openai.AuthenticationError:
+                break
+            assert time.monotonic() < deadline, "revoked key still accepted"
+            add(redis_cluster.url, "beta", hexdigest, None)
+            time.sleep(0.05)
+        client.close()

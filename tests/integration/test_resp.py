@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -170,3 +171,14 @@ async def test_a_flushed_script_is_sent_again(redis_server: RedisServer) -> None
         assert store.failures == 0
     finally:
         await store.aclose()
+
+
+SCENARIOS = [test for name, test in list(globals().items()) if name.startswith("test_")]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda test: test.__name__.removeprefix("test_"))
+def test_on_uvloop(scenario: Callable[[RedisServer], Awaitable[None]], redis_server: RedisServer) -> None:
+    """Every scenario above again on uvloop, the loop the gateway serves on: its transports are not asyncio's."""
+    uvloop = pytest.importorskip("uvloop")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario(redis_server))

@@ -26,6 +26,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import hiredis
 
 Arg = str | bytes | int | float
+STALE_S = 2.0  # silent this long while calls time out: presumed dead
 
 
 class ReplyError(Exception):
@@ -145,7 +146,7 @@ class Connection(asyncio.Protocol):
         self.pending: collections.deque[asyncio.Future[Any] | Batch] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.on_lost = on_lost
-        self.stalled = False  # a call timed out and nothing has been read since
+        self.stalled_at: float | None = None  # when a call timed out with nothing read since
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass, but is one
@@ -156,10 +157,17 @@ class Connection(asyncio.Protocol):
         self.pending.append(waiter)
 
     def data_received(self, data: bytes) -> None:
-        self.stalled = False
+        self.stalled_at = None
         reader, pending = self.reader, self.pending
         reader.feed(data)
-        while (reply := reader.gets()) is not False:
+        while True:
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError:  # not RESP: nothing after this can be matched to a call
+                self.abort()
+                return
+            if reply is False:
+                return
             if not pending:  # a reply nobody asked for: the stream cannot be trusted any more
                 self.abort()
                 return
@@ -200,11 +208,14 @@ def expire(future: asyncio.Future[Any], connection: Connection) -> None:
     if future.done():
         return
     future.set_exception(TimeoutError("redis did not answer in time"))
-    if connection.stalled:
-        # A second deadline missed with nothing read in between: the socket is likely dead without a
-        # reset (a vanished host); drop it so that a fresh connection is tried.
+    now = asyncio.get_running_loop().time()
+    if connection.stalled_at is None:
+        connection.stalled_at = now
+    elif now - connection.stalled_at > STALE_S:
+        # Calls have been timing out for a while and not a byte has come back: the socket is likely dead
+        # without a reset (a vanished host). Drop it so that a fresh connection is tried; a merely slow
+        # server keeps its connection, and its late replies are dropped in their turn.
         connection.abort()
-    connection.stalled = True
 
 
 class Node:
@@ -256,7 +267,11 @@ class Node:
             raise ConnectionError("redis client closed")
         loop = asyncio.get_running_loop()
         if not self.live:
-            await asyncio.shield(self.fill())
+            try:
+                await asyncio.shield(self.fill())
+            except Exception:
+                if not self.live:  # else the first connection is up and only a later one failed
+                    raise
         elif loop.time() >= self.retry_at:
             self.fill()
         if not self.live:

@@ -6,11 +6,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
+import redis
+import trustme
 
 from gateway.resp import Redis, ReplyError, parse_url
 from gateway.store import Script, Store, StoreUnavailable
+from tests.support.gateway import free_port
 from tests.support.redis import RedisServer
 
 
@@ -182,3 +186,31 @@ def test_on_uvloop(scenario: Callable[[RedisServer], Awaitable[None]], redis_ser
     uvloop = pytest.importorskip("uvloop")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario(redis_server))
+
+
+async def test_rediss_verifies_the_server_certificate(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    tls_port = free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-auth-clients", "no"]
+    tls += ["--tls-cert-file", str(tmp_path / "cert.pem"), "--tls-key-file", str(tmp_path / "key.pem")]
+    try:
+        server = RedisServer(*tls).__enter__()
+    except (RuntimeError, OSError, redis.ConnectionError) as exc:
+        pytest.skip(f"this redis-server has no TLS: {exc}")
+    trusted = Store(f"rediss://localhost:{tls_port}/2?ssl_ca_certs={tmp_path / 'ca.pem'}")
+    untrusted = Store(f"rediss://localhost:{tls_port}/2")
+    try:
+        assert await trusted.execute("SET", "over", "tls") == b"OK"
+        with server.client() as r:
+            r.execute_command("SELECT", 2)
+            assert r.get("over") == b"tls"
+        with pytest.raises(StoreUnavailable, match=r"(?i)certificate verify failed"):
+            await untrusted.execute("PING")  # a certificate from an unknown CA is refused
+    finally:
+        await trusted.aclose()
+        await untrusted.aclose()
+        server.__exit__()

@@ -92,6 +92,8 @@ def address(text: str) -> tuple[str, int]:
         port = rest.lstrip(":")
     else:
         host, _, port = text.partition(":")
+    if not (port or "6379").isdigit():
+        raise ValueError(f"port {port!r} is not a number")
     return host or "127.0.0.1", int(port or 6379)
 
 
@@ -111,7 +113,10 @@ def parse_url(url: str, **limits: Any) -> tuple[list[tuple[str, int]], Options, 
         username, password = (unquote(name) or None, unquote(secret)) if colon else (None, unquote(name))
     addresses = [address(host) for host in hosts.split(",")] if hosts else [("127.0.0.1", 6379)]
     query = parse_qs(parts.query)
-    db = int(parts.path.strip("/") or query.get("db", ["0"])[0])
+    db_text = parts.path.strip("/") or query.get("db", ["0"])[0]
+    if not db_text.isdigit():
+        raise ValueError(f"database {db_text!r} is not a number")
+    db = int(db_text)
     tls = tls_context(query) if scheme.startswith("rediss") else None
     options = Options(username, password, db, tls, **limits)
     return addresses, options, scheme.endswith("+cluster")

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gateway.resp import parse_url
 
 DEFAULT_PATH = Path("config/gateway.yaml")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
@@ -167,6 +169,13 @@ class TenantSettings(Strict):
 
 class RedisSettings(Strict):
     url: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if url:
+            parse_url(url)  # a bad scheme, port or database number is a config error, not a failing store
+        return url
 
 
 class AuthSettings(Strict):

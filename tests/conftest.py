@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import redis
 
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.redis import RedisCluster, RedisServer
@@ -42,7 +43,7 @@ def redis_cluster() -> Iterator[RedisCluster]:
     cluster = RedisCluster()
     try:
         cluster.start()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+    except (RuntimeError, OSError, subprocess.SubprocessError, redis.RedisError) as exc:
         cluster.stop()
         pytest.skip(f"cannot start a Redis Cluster here: {exc}")
     try:

@@ -54,6 +54,8 @@ class RedisServer:
                     client.ping()
                     return
                 except redis.ConnectionError:
+                    if self.proc.poll() is not None:  # e.g. an option this build does not know
+                        raise RuntimeError(f"redis-server exited at start with status {self.proc.returncode}") from None
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.02)
@@ -170,7 +172,7 @@ class RedisCluster:
                     return next(s for s in self.servers if s.port == master[1])
         raise LookupError(key)
 
-    def master_of_port(self, port: int) -> bool:
+    def is_master(self, port: int) -> bool:
         with self.client(port) as client:
             return bool(client.info("replication").get("role") == "master")
 

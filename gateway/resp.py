@@ -77,8 +77,13 @@ class Options:
 
 
 def tls_context(query: dict[str, list[str]]) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=query.get("ssl_ca_certs", [None])[0])
-    if query.get("ssl_cert_reqs", ["required"])[0].lower() in ("none", "optional"):
+    """The system's trust store, or `?ssl_ca_certs=PATH`; `?ssl_cert_reqs=none` skips verification."""
+    cafile = query.get("ssl_ca_certs", [None])[0]
+    try:
+        context = ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"ssl_ca_certs: cannot load {cafile!r} ({exc.strerror or exc})") from None
+    if query.get("ssl_cert_reqs", ["required"])[0].lower() == "none":
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gateway.cluster import key_of, slot
-from gateway.resp import Batch, Connection, ReplyError, encode, parse_url
+from gateway.resp import Batch, Connection, ReplyError, encode, node_urls, parse_url
 
 
 def test_commands_are_encoded_as_arrays_of_bulk_strings() -> None:
@@ -25,6 +25,14 @@ def test_urls_give_addresses_credentials_database_and_tls() -> None:
     assert parse_url("redis://localhost")[0] == [("localhost", 6379)]
     with pytest.raises(ValueError, match="scheme"):
         parse_url("http://localhost:6379")
+
+
+def test_a_cluster_url_gives_one_plain_url_per_seed_for_library_clients() -> None:
+    assert node_urls("rediss+cluster://u:p@a:1,b:2?ssl_cert_reqs=none") == [
+        "rediss://u:p@a:1?ssl_cert_reqs=none",
+        "rediss://u:p@b:2?ssl_cert_reqs=none",
+    ]
+    assert node_urls("redis://h:6379/2") == ["redis://h:6379/2"]
 
 
 def test_hash_slots_match_redis_and_honour_hash_tags() -> None:

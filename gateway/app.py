@@ -19,9 +19,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import errors
+from gateway.config import load
 from gateway.pipeline import send_error
 from gateway.runtime import Runtime
-from gateway.settings import Settings, load
+from gateway.settings import Settings
 
 ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",

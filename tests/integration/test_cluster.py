@@ -12,7 +12,7 @@ import redis
 
 from gateway.cluster import Cluster, slot
 from gateway.store import Script, Store, StoreUnavailable
-from gateway.tools.keys import add, new_key, revoke
+from plugins.auth.keys import add, new_key, revoke
 from tests.support.gateway import gateway_thread
 from tests.support.redis import RedisCluster
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from gateway.resp import parse_url
+
 
 class ConfigError(Exception):
     """Configuration problems, one line each, each naming the file and the YAML path."""
@@ -103,6 +105,13 @@ class TenantSettings(Strict):
 
 class RedisSettings(Strict):
     url: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if url:
+            parse_url(url)  # a bad scheme, port or database number is a config error, not a failing store
+        return url
 
 
 class TelemetrySettings(Strict):

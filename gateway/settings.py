@@ -157,6 +157,12 @@ class RateLimitSettings(Limits):
 class RateLimiterSettings(Strict):
     # Tokens reserved at admission for a request that sets no max_tokens; corrected from usage afterwards.
     default_max_tokens: int = Field(1024, ge=1)
+    # With Redis, each process admits from leases of the shared buckets (see docs/rate-limits.md): a lease holds
+    # at most this share of a limit, lapses this long after it was granted, and a request whose lease is empty
+    # waits this long for a sync before it is decided in process.
+    lease_share: float = Field(0.005, gt=0, le=1)
+    lease_ttl_s: float = Field(1.0, gt=0, le=60)
+    sync_wait_ms: float = Field(20.0, ge=0, le=1000)
 
 
 class TenantSettings(Strict):

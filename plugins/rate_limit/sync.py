@@ -122,13 +122,7 @@ class Leases:
         for lease, cost in zip(leases, costs, strict=True):
             if lease.free < cost:
                 return None
-        renew = False
-        for lease, cost in zip(leases, costs, strict=True):
-            lease.take(cost)
-            renew = renew or lease.free < lease.low
-        if renew and route.group.inflight is None:
-            self._start(route.group, renew=True)
-        return self._admitted(leases, self.now())
+        return self._take(route, costs, self.now())
 
     async def admit(self, route: Route, costs: Sequence[int]) -> list[int]:
         """The verdict once the leases lack room: refused on what is known, or after a sync, or on credit.
@@ -141,9 +135,7 @@ class Leases:
         while True:
             lacking = [(lease, cost) for lease, cost in zip(route.leases, costs, strict=True) if lease.free < cost]
             if not lacking:
-                for lease, cost in zip(route.leases, costs, strict=True):
-                    lease.take(cost)
-                return self._admitted(route.leases, now)
+                return self._take(route, costs, now)
             if any(lease.fresh(now) and lease.known(now) < cost for lease, cost in lacking):
                 return self._refused(route.leases, costs, now)
             if not self.store.available:
@@ -186,6 +178,15 @@ class Leases:
             if group.timer is not None:
                 group.timer.cancel()
                 group.timer = None
+
+    def _take(self, route: Route, costs: Sequence[int], now: float) -> list[int]:
+        renew = False
+        for lease, cost in zip(route.leases, costs, strict=True):
+            lease.take(cost)
+            renew = renew or lease.free < lease.low
+        if renew and route.group.inflight is None:
+            self._start(route.group, renew=True)  # in the background: this request is admitted already
+        return self._admitted(route.leases, now)
 
     def _admitted(self, leases: Sequence[Lease], now: float) -> list[int]:
         verdict = [1]

@@ -168,13 +168,15 @@ class Leases:
             if group.timer is not None:
                 group.timer.cancel()
                 group.timer = None
-            if group.inflight is not None:
-                await group.inflight
+        await asyncio.gather(*(g.inflight for g in self.groups.values() if g.inflight is not None))
+        if not self.store.available:
+            return  # what is held lapses in Redis by itself
+        for group in self.groups.values():
             for lease in group.leases:
                 lease.expires = 0.0  # lapse now
             self._start(group, renew=False)
-            if group.inflight is not None:
-                await group.inflight
+        await asyncio.gather(*(g.inflight for g in self.groups.values() if g.inflight is not None))
+        for group in self.groups.values():
             if group.timer is not None:
                 group.timer.cancel()
                 group.timer = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,8 @@ from typing import cast
 from gateway.store import Script, Store, StoreUnavailable
 from plugins.rate_limit.buckets import PERIOD_MS, Plan
 from plugins.rate_limit.lease import Lease
+
+log = logging.getLogger("sluice.rate_limit")
 
 # KEYS: one tenant's buckets. ARGV per bucket: limit, period (ms), settle, want, need. The state of a bucket is
 # the time at which it will be full again (`full_at`, Redis TIME, shared by every instance; a missing key is a
@@ -235,15 +238,17 @@ class Leases:
         self.syncs += 1
         try:
             result = cast("list[int]", await self.store.run(SCRIPT, keys, args))
-        except StoreUnavailable:
+            now = self.now()
+            for i, lease in enumerate(sent):
+                lease.granted(now, int(result[3 * i]), int(result[3 * i + 1]))
+        except Exception as exc:
+            if not isinstance(exc, StoreUnavailable):  # the store logs its own outages; anything else is a bug
+                log.exception("rate_limit: sync failed; deciding in process until the next one")
             for lease in group.leases:
                 lease.reset()
             return False
         finally:
             group.inflight = None
-        now = self.now()
-        for i, lease in enumerate(sent):
-            lease.granted(now, result[3 * i], result[3 * i + 1])
         self._arm(group, now)
         return True
 

@@ -375,3 +375,21 @@ async def test_many_requests_per_sync(redis_server: RedisServer) -> None:
     assert statuses == [{200: 2000}]
     # Paced by time (a lease is about 200 ms of traffic), not by requests; without leases: one per request.
     assert syncs <= min(2000 / 10, 10 + 20 * elapsed), (syncs, elapsed)
+
+
+async def test_leases_are_given_back_at_shutdown(redis_server: RedisServer) -> None:
+    limit = 600
+    key = "sluice:rl:{acme}:requests"
+    yaml = config(redis_server.url, f"{{requests_per_minute: {limit}}}") + "rate_limit: {lease_share: 0.5}\n"
+
+    def charged() -> float:
+        with redis_server.client() as client:
+            return float(client.pttl(key)) * limit / PERIOD_MS
+
+    with gateway_thread(yaml) as gw:
+        started = time.monotonic()
+        assert await hammer([gw], 100) == [{200: 100}]
+        held = charged() - 100  # a busy process holds part of the next 200 ms of its traffic
+        assert held >= 5, held
+    refilled = limit * (time.monotonic() - started) / 60
+    assert 100 - refilled - 1 <= charged() <= 100 + 1  # given back at once, not when it would have lapsed

@@ -17,8 +17,9 @@ import openai
 import orjson
 import pytest
 
+from gateway.settings import parse
 from gateway.store import Store
-from plugins.rate_limit import PERIOD_MS, SCRIPT
+from plugins.rate_limit import PERIOD_MS, SCRIPT, Leases, build_plans
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
 
@@ -396,3 +397,45 @@ async def test_leases_are_given_back_at_shutdown(redis_server: RedisServer) -> N
             time.sleep(0.01)
     refilled = limit * (time.monotonic() - started) / 60
     assert 100 - refilled - 1 <= charged() <= 100 + 1  # given back at once, not when it would have lapsed
+
+
+async def test_a_late_sync_admits_on_credit_and_the_next_one_charges_it(redis_server: RedisServer) -> None:
+    limit = 60  # a request is 1 s of the bucket: what is charged shows in the key's PTTL
+    store = Store(redis_server.url, timeout_s=1.0)  # a late answer, not a failed one
+    leases = Leases(
+        build_plans(parse(config(redis_server.url, f"{{requests_per_minute: {limit}}}"))),
+        store,
+        share=0.005,
+        ttl_s=1.0,
+        wait_ms=20,
+    )
+    route = leases.routes[("acme", "chat")]
+    lease = route.leases[0]
+    started = time.monotonic()
+    try:
+        assert (await leases.admit(route, [1]))[0] == 1  # the first request waits for its sync
+        admitted = 1
+        while leases.admit_now(route, [1]) is not None:  # whatever the lease holds
+            admitted += 1
+        with redis_server.client() as client:
+            client.execute_command("CLIENT", "PAUSE", 150, "ALL")  # Redis answers nobody for 150 ms
+        asked = time.monotonic()
+        verdict = await leases.admit(route, [1])
+        assert verdict[0] == 1 and leases.credits == 1
+        assert 0.015 < time.monotonic() - asked < 0.12  # waited for the sync, as long as `wait_ms`
+        assert lease.settle == 1  # owed to the shared bucket
+        syncs = leases.syncs
+        while leases.syncs == syncs or lease.settle:  # the late sync lands; the next one carries the debt
+            if leases.admit_now(route, [1]) is not None:
+                admitted += 1
+            else:
+                assert (await leases.admit(route, [1]))[0] == 1
+                admitted += 1
+            assert time.monotonic() - started < 5
+        await leases.aclose()
+        with redis_server.client() as client:
+            charged_ms = client.pttl("sluice:rl:{acme}:requests")
+        refilled_ms = (time.monotonic() - started) * 1000
+        assert (admitted + 1) * 1000 - refilled_ms - 50 <= charged_ms <= (admitted + 1) * 1000
+    finally:
+        await store.aclose()

@@ -413,7 +413,9 @@ async def test_a_late_sync_admits_on_credit_and_the_next_one_charges_it(redis_se
     lease = route.leases[0]
     started = time.monotonic()
     try:
+        await store.execute("SCRIPT", "LOAD", SCRIPT.source)  # as the plugin's startup does
         assert (await leases.admit(route, [1]))[0] == 1  # the first request waits for its sync
+        assert leases.credits == 0
         admitted = 1
         while leases.admit_now(route, [1]) is not None:  # whatever the lease holds
             admitted += 1

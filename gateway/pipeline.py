@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
@@ -26,13 +27,14 @@ from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
 from gateway.streaming import find_usage, relay_stream
 from gateway.telemetry import server_timing
+from gateway.upstream import Opened
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Plugin
     from gateway.settings import Settings
     from gateway.telemetry import Telemetry
-    from gateway.upstream import Opened, Upstreams
+    from gateway.upstream import Upstreams
 
 log = logging.getLogger("sluice")
 
@@ -135,84 +137,104 @@ class Pipeline:
                 loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
 
     async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
-        reply: Reply | None = None
-        opened: Opened | None = None
-        try:
-            for name, hook in self.on_request:
-                since = time.perf_counter()
-                reply = await hook(ex)
-                ex.mark(name, since)
-                if reply is not None:
-                    break
-            if reply is None:
-                try:
-                    opened = await self.upstreams.open(ex)
-                except errors.GatewayError as exc:
-                    reply = await self._rescue(ex, exc)
-                    if reply is None:
-                        raise
-                finally:
-                    if ex.served is not None:  # the wait for a connection, of the attempt that served
-                        ex.timings.append(("pool", ex.pool_ms))
-                    ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
-        except errors.GatewayError as exc:
-            outcome.error = exc.message
-            reply = Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
-        except Exception as exc:
-            # A bug in a plugin or here must still get an answer in the client's format, and a log line.
-            log.exception("request %s failed inside the gateway", ex.request_id)
-            error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
-            outcome.error = error.message
-            reply = Reply(status=500, headers=[JSON], body=error.body(), source="error")
-
-        # Step 4: the head.
-        if opened is not None:
-            response = opened.response
-            status = response.status
-            head_headers = []
-            for key, value in response.headers:
-                if key in PASSED:
-                    head_headers.append((key, value))
-                elif key == b"x-request-id":
-                    head_headers.append((b"x-upstream-request-id", value))
-            if ex.stream:
-                head_headers.extend(STREAM_HEADERS)
-        else:
-            assert reply is not None
-            status = reply.status
-            head_headers = list(reply.headers)
-            outcome.source = reply.source
-            if reply.stream is not None:
-                head_headers.extend(STREAM_HEADERS)
-        head_headers.append((b"x-request-id", ex.request_id.encode()))
-        if ex.served is not None:
-            head_headers.append((b"x-sluice-model", ex.served.model.encode()))
-        if ex.fallback is not None:
-            head_headers.append((b"x-sluice-fallback", ex.fallback.encode()))
-        head = ResponseHead(status, head_headers)
-        outcome.status = status
+        answer = await self._answer(ex, outcome)
+        head = self._head(ex, answer, outcome)
         taps: list[Tap] = []
         for _, hook in self.on_response:
             tap = await hook(ex, head)
             if tap is not None:
                 taps.append(tap)
-        now = time.perf_counter()
-        overhead = ex.overhead_ms = (now - ex.started) * 1000.0 - ex.upstream_ms
+        overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
         head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
         head.headers.append((b"x-sluice-overhead-ms", f"{overhead:.3f}".encode()))
-
-        # Step 5: the body.
-        if opened is not None and ex.stream:
-            try:
-                await send({"type": "http.response.start", "status": status, "headers": head.headers})
-                await relay_stream(
-                    send, opened.response, opened.first, outcome, tuple(taps), ex.started, opened.token_at
-                )
-            finally:
-                opened.response.close()
-        else:
-            await self._send_whole(send, head, opened, reply, outcome, tuple(taps))
+        await self._body(send, ex, head, answer, outcome, tuple(taps))
         outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
+
+    async def _answer(self, ex: Exchange, outcome: Outcome) -> Opened | Reply:
+        """Steps 2 and 3: a plugin's reply, an upstream's committed answer, or the error as a reply."""
+        try:
+            for name, hook in self.on_request:
+                since = time.perf_counter()
+                reply: Reply | None = await hook(ex)
+                ex.mark(name, since)
+                if reply is not None:
+                    return reply
+            return await self._upstream(ex)
+        except errors.GatewayError as exc:
+            outcome.error = exc.message
+            return Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
+        except Exception as exc:
+            # A bug in a plugin or here must still get an answer in the client's format, and a log line.
+            log.exception("request %s failed inside the gateway", ex.request_id)
+            error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
+            outcome.error = error.message
+            return Reply(status=500, headers=[JSON], body=error.body(), source="error")
+
+    async def _upstream(self, ex: Exchange) -> Opened | Reply:
+        try:
+            return await self.upstreams.open(ex)
+        except errors.GatewayError as exc:
+            reply = await self._rescue(ex, exc)
+            if reply is None:
+                raise
+            return reply
+        finally:
+            if ex.served is not None:  # the wait for a connection, of the attempt that served
+                ex.timings.append(("pool", ex.pool_ms))
+            ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
+
+    def _head(self, ex: Exchange, answer: Opened | Reply, outcome: Outcome) -> ResponseHead:
+        """Step 4: the status and headers the client will get (plugins may still add to them)."""
+        if isinstance(answer, Reply):
+            status = answer.status
+            headers = list(answer.headers)
+            outcome.source = answer.source
+            streamed = answer.stream is not None
+        else:
+            status = answer.response.status
+            headers = []
+            for key, value in answer.response.headers:
+                if key in PASSED:
+                    headers.append((key, value))
+                elif key == b"x-request-id":
+                    headers.append((b"x-upstream-request-id", value))
+            streamed = ex.stream
+        if streamed:
+            headers.extend(STREAM_HEADERS)
+        headers.append((b"x-request-id", ex.request_id.encode()))
+        if ex.served is not None:
+            headers.append((b"x-sluice-model", ex.served.model.encode()))
+        if ex.fallback is not None:
+            headers.append((b"x-sluice-fallback", ex.fallback.encode()))
+        outcome.status = status
+        return ResponseHead(status, headers)
+
+    async def _body(
+        self,
+        send: Send,
+        ex: Exchange,
+        head: ResponseHead,
+        answer: Opened | Reply,
+        outcome: Outcome,
+        taps: tuple[Tap, ...],
+    ) -> None:
+        """Step 5: relay the upstream's stream, or send a whole body or a plugin's stream."""
+        if isinstance(answer, Reply):
+            if answer.stream is not None:
+                await self._send_pieces(send, head, answer.stream, outcome, taps)
+            else:
+                await self._send_whole(send, head, answer.body, outcome, taps)
+            return
+        if not ex.stream:
+            await self._send_whole(send, head, answer.first, outcome, taps)
+            if head.status < 400:
+                outcome.usage = find_usage(answer.first[-2048:])
+            return
+        try:
+            await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
+            await relay_stream(send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at)
+        finally:
+            answer.response.close()
 
     async def _rescue(self, ex: Exchange, error: errors.GatewayError) -> Reply | None:
         """Every target failed: a plugin may still answer (a stale cache entry) before the error goes out."""
@@ -222,25 +244,20 @@ class Pipeline:
                 return reply
         return None
 
-    async def _send_whole(
-        self,
-        send: Send,
-        head: ResponseHead,
-        opened: Opened | None,
-        reply: Reply | None,
-        outcome: Outcome,
-        taps: tuple[Tap, ...],
+    async def _send_pieces(
+        self, send: Send, head: ResponseHead, pieces: AsyncIterator[bytes], outcome: Outcome, taps: tuple[Tap, ...]
     ) -> None:
-        if reply is not None and reply.stream is not None:
-            await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
-            async for piece in reply.stream:
-                for tap in taps:
-                    tap(piece)
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome.complete = True
-            return
-        body = opened.first if opened is not None else reply.body if reply is not None else b""
+        await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
+        async for piece in pieces:
+            for tap in taps:
+                tap(piece)
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        outcome.complete = True
+
+    async def _send_whole(
+        self, send: Send, head: ResponseHead, body: bytes, outcome: Outcome, taps: tuple[Tap, ...]
+    ) -> None:
         head.headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
         for tap in taps:
@@ -248,8 +265,6 @@ class Pipeline:
             tap(b"")
         await send({"type": "http.response.body", "body": body, "more_body": False})
         outcome.complete = True
-        if opened is not None and head.status < 400:
-            outcome.usage = find_usage(body[-2048:])
 
     def _record(self, ex: Exchange, outcome: Outcome) -> None:
         assert self.telemetry is not None

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,37 @@ class Opened:
     response: UpstreamResponse
     first: bytes
     token_at: float = 0.0  # perf_counter() when the first token was seen, if it was looked for
+
+
+@dataclass(slots=True)
+class Attempt:
+    target: Target
+    hedge: Target | None  # raced against `target` when that has no first token soon enough
+    round: int  # 0 on the first pass over the targets; each later round waits first
+
+
+class Plan:
+    """The attempts `open` makes: the targets in order, then round again while the budget lasts."""
+
+    __slots__ = ("budget", "hedging", "next", "targets")
+
+    def __init__(self, targets: list[Target], budget: int, hedging: bool) -> None:
+        self.targets = targets
+        self.budget = budget
+        self.hedging = hedging  # on the first pass, each target is paired with the next one as its hedge
+        self.next = 0
+
+    def __iter__(self) -> Iterator[Attempt]:
+        count = len(self.targets)
+        while self.next < self.budget:
+            index = self.next
+            self.next += 1
+            hedge = self.targets[index + 1] if self.hedging and index + 1 < count else None
+            yield Attempt(self.targets[index % count], hedge, index // count)
+
+    def skip(self) -> None:
+        """The next target has been tried already (it was the hedge)."""
+        self.next += 1
 
 
 def build_provider(name: str, settings: Settings) -> Provider:
@@ -102,46 +134,36 @@ class Upstreams:
         Targets are tried in order. Once each has been tried, a budget left over (`max_attempts`) goes round
         again, after the last failure's `retry-after` (if it is short enough) or a jittered back-off.
         """
-        targets = ex.targets
         spec = self.targets[ex.model].settings
-        budget = spec.max_attempts or len(targets)
+        plan = Plan(ex.targets, spec.max_attempts or len(ex.targets), ex.hedge_after_ms is not None)
         failure: errors.GatewayError | None = None
-        index = 0
-        while index < budget:
-            target = targets[index % len(targets)]
-            if index >= len(targets):
+        for attempt in plan:
+            if attempt.round:
                 assert failure is not None
-                wait = _retry_wait(failure, index // len(targets), spec.max_retry_wait_ms / 1000.0)
+                wait = _retry_wait(failure, attempt.round, spec.max_retry_wait_ms / 1000.0)
                 if wait is None:
                     break
                 await asyncio.sleep(wait)
-            hedge = targets[index + 1] if ex.hedge_after_ms is not None and index + 1 < len(targets) else None
+            target = attempt.target
             started = time.perf_counter()
             try:
-                if hedge is None:
+                if attempt.hedge is None:
                     opened = await self._attempt(ex, target)
                 else:
-                    opened, target = await self._hedged(ex, target, hedge, ex.hedge_after_ms or 0.0)
+                    opened, target = await self._hedged(ex, target, attempt.hedge, ex.hedge_after_ms or 0.0)
             except errors.GatewayError as exc:
                 ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
                 if not _retryable(exc):
                     raise
                 failure = exc
-                index += 2 if hedge is not None and ex.hedged else 1
+                if attempt.hedge is not None and ex.hedged:
+                    plan.skip()  # the hedge was tried too
                 log.info("model %s on %s failed (%s: %s)", target.model, target.backend, exc.status, exc.message)
                 continue
             finally:
                 ex.upstream_ms += (time.perf_counter() - started) * 1000.0
             ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, 0))
-            ex.pool_ms = opened.response.acquire_ms
-            ex.served = target
-            if target is not targets[0] and ex.fallback is None:
-                if ex.hedged:
-                    ex.fallback = "hedge"
-                elif isinstance(failure, errors.UpstreamTimeoutError):
-                    ex.fallback = "deadline"
-                else:
-                    ex.fallback = "error"
+            _served(ex, opened, target, failure)
             return opened
         assert failure is not None
         raise failure
@@ -150,30 +172,19 @@ class Upstreams:
         """`first`, and `second` too if `first` has no first token after `after_ms`; the faster one wins."""
         loop = asyncio.get_running_loop()
         primary = loop.create_task(self._attempt(ex, first, until_token=True))
-        racing = {primary}
+        racing = {primary: first}
         try:
-            done, _ = await asyncio.wait(racing, timeout=after_ms / 1000.0)
-            if done:
+            await asyncio.wait(racing, timeout=after_ms / 1000.0)
+            if primary.done():
                 return primary.result(), first
             ex.hedged = True
-            secondary = loop.create_task(self._attempt(ex, second, until_token=True))
-            racing.add(secondary)
-            failure: BaseException | None = None
-            while racing:
-                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task.exception() is None:
-                        for other in done - {task}:
-                            if other.exception() is None:
-                                other.result().response.close()
-                        return task.result(), first if task is primary else second
-                    failure = task.exception()
-            assert failure is not None
-            raise failure
+            racing[loop.create_task(self._attempt(ex, second, until_token=True))] = second
+            return await _race(racing)
         finally:
             for task in racing:
-                task.cancel()  # the loser: _first closes its upstream request when cancelled
-                task.add_done_callback(_close_late_winner)
+                if not task.done():
+                    task.cancel()  # the loser: _first closes its upstream request when cancelled
+                    task.add_done_callback(_close_late_winner)
 
     async def _attempt(self, ex: Exchange, target: Target, until_token: bool = False) -> Opened:
         deadline = target.settings.first_token_deadline_ms if ex.stream else None
@@ -214,6 +225,35 @@ class Upstreams:
         except BaseException:
             response.close()  # cancelled by the deadline, or failed: the upstream request ends here
             raise
+
+
+def _served(ex: Exchange, opened: Opened, target: Target, failure: errors.GatewayError | None) -> None:
+    """Record which target served and, when it was not the first, why."""
+    ex.pool_ms = opened.response.acquire_ms
+    ex.served = target
+    if target is not ex.targets[0] and ex.fallback is None:
+        if ex.hedged:
+            ex.fallback = "hedge"
+        elif isinstance(failure, errors.UpstreamTimeoutError):
+            ex.fallback = "deadline"
+        else:
+            ex.fallback = "error"
+
+
+async def _race(racing: dict[asyncio.Task[Opened], Target]) -> tuple[Opened, Target]:
+    """The first attempt to succeed, with its target; the last failure when every one fails."""
+    pending = set(racing)
+    failure: BaseException | None = None
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        won = [task for task in done if task.exception() is None]
+        if won:
+            for tie in won[1:]:
+                tie.result().response.close()
+            return won[0].result(), racing[won[0]]
+        failure = next(iter(done)).exception()
+    assert failure is not None
+    raise failure
 
 
 def _close_late_winner(task: asyncio.Task[Opened]) -> None:

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.pipeline import send_error
+from gateway.request import request_id
 from gateway.runtime import Runtime
 from gateway.settings import Settings, load
 
@@ -31,8 +32,13 @@ ENDPOINTS = {
     "/chat/completions": "chat/completions",
     "/completions": "completions",
     "/embeddings": "embeddings",
+    # Azure OpenAI's v1 form, which `AzureOpenAI` and `OpenAI(base_url=".../openai/v1")` use.
+    "/openai/v1/chat/completions": "chat/completions",
+    "/openai/v1/completions": "completions",
+    "/openai/v1/embeddings": "embeddings",
 }
-AZURE_PREFIX = "/openai/deployments/"
+# Deployment paths: Azure's dated form, and what `AzureOpenAI(base_url=".../openai/v1")` sends.
+AZURE_PREFIXES = ("/openai/deployments/", "/openai/v1/deployments/")
 # How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools, no access log, and
 # neither proxy-headers middleware nor a server header, since nothing on the request path reads them.
 SERVER_OPTIONS: dict[str, object] = {
@@ -56,6 +62,7 @@ class Gateway:
                 Route("/readyz", self.readyz),
                 Route("/v1/models", self.list_models),
                 Route("/models", self.list_models),
+                Route("/openai/v1/models", self.list_models),
                 Route("/metrics", self.metrics),
             ],
             exception_handlers={HTTPException: self.http_error},  # type: ignore[dict-item]
@@ -67,17 +74,19 @@ class Gateway:
             path: str = scope["path"]
             endpoint = ENDPOINTS.get(path)
             deployment = None
-            if endpoint is None and path.startswith(AZURE_PREFIX):
-                deployment, _, rest = path[len(AZURE_PREFIX) :].partition("/")
+            if endpoint is None and path.startswith(AZURE_PREFIXES):
+                prefix = AZURE_PREFIXES[0] if path.startswith(AZURE_PREFIXES[0]) else AZURE_PREFIXES[1]
+                deployment, _, rest = path[len(prefix) :].partition("/")
                 endpoint = ENDPOINTS.get("/" + rest) if deployment else None
             if endpoint is not None:
                 runtime = self.runtime
                 if scope["method"] != "POST":
                     error: errors.GatewayError = errors.MethodNotAllowedError(f"{scope['method']} is not allowed here")
                     error.headers = [(b"allow", b"POST")]
-                    await send_error(send, error, "")
+                    await send_error(send, error, request_id(scope["headers"]))
                 elif runtime is None:
-                    await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
+                    error = errors.ServiceUnavailableError("gateway is starting")
+                    await send_error(send, error, request_id(scope["headers"]))
                 else:
                     await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
                 return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import sys
@@ -164,7 +165,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except OSError as exc:
+        # A port in use or not ours to bind is a user's mistake: one line, not a traceback.
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            sys.exit(f"sluice {args.command}: {exc.strerror or exc}: {_bind_target(args)}")
+        raise
+
+
+def _bind_target(args: argparse.Namespace) -> str:
+    host, port = getattr(args, "host", None), getattr(args, "port", None)
+    return f"cannot listen on {host or '127.0.0.1'}:{port}" if port is not None else "cannot listen"
 
 
 if __name__ == "__main__":

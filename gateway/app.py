@@ -8,6 +8,7 @@ Starlette, where per-request cost does not matter.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 import orjson
@@ -60,6 +61,7 @@ class Gateway:
             routes=[
                 Route("/healthz", self.healthz),
                 Route("/readyz", self.readyz),
+                Route("/status", self.status),
                 Route("/v1/models", self.list_models),
                 Route("/models", self.list_models),
                 Route("/openai/v1/models", self.list_models),
@@ -107,9 +109,19 @@ class Gateway:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     async def readyz(self, _: Request) -> Response:
-        ready = self.runtime is not None and self.runtime.ready
-        body = b'{"status":"ready"}' if ready else b'{"status":"warming"}'
-        return Response(body, status_code=200 if ready else 503, media_type="application/json")
+        """200 once every backend's warm-up was attempted and the plugins have started; never on upstreams' health."""
+        runtime = self.runtime
+        if runtime is None:
+            return Response(b'{"status":"starting"}', status_code=503, media_type="application/json")
+        return Response(
+            orjson.dumps(runtime.status()), status_code=200 if runtime.ready else 503, media_type="application/json"
+        )
+
+    async def status(self, _: Request) -> Response:
+        """The gateway's state for people and scripts: backends (state, warm connections, last error), Redis."""
+        runtime = self.runtime
+        body = runtime.status() if runtime is not None else {"status": "starting"}
+        return Response(orjson.dumps(body, option=orjson.OPT_INDENT_2), media_type="application/json")
 
     async def list_models(self, _: Request) -> Response:
         return Response(self.models_body, media_type="application/json")
@@ -133,4 +145,8 @@ class Gateway:
 
 def create_app(settings: Settings | None = None) -> Gateway:
     """The app for `settings`, else for the config found by `settings.load()` (used by uvicorn workers)."""
-    return Gateway(settings if settings is not None else load())
+    if settings is None:
+        settings = load()
+        if os.environ.get("SLUICE_ACCESS_LOG") == "1":  # `serve --workers N --access-log` sets it
+            settings = settings.model_copy(update={"log": settings.log.model_copy(update={"access": True})})
+    return Gateway(settings)

@@ -129,7 +129,10 @@ def from_pool_error(exc: pool.PoolError, backend: str) -> GatewayError:
     if isinstance(exc, pool.ConnectError):
         return UpstreamError(f"backend {backend!r}: {exc}", code="connect_error")
     if isinstance(exc, pool.PoolTimeout):
-        return ServiceUnavailableError(f"backend {backend!r}: {exc}", code="pool_timeout")
+        return ServiceUnavailableError(
+            f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}",
+            code="upstream_pool_exhausted",
+        )
     if isinstance(exc, pool.ReadTimeout):
         return UpstreamTimeoutError(f"backend {backend!r}: {exc}")
     return UpstreamError(f"backend {backend!r}: {exc}")

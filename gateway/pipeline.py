@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
 from gateway.streaming import find_usage, relay_stream
-from gateway.telemetry import server_timing
+from gateway.telemetry import cache_result, server_timing
 from gateway.upstream import Opened
 
 if TYPE_CHECKING:
@@ -58,6 +58,9 @@ class Pipeline:
         self.on_response = hooks(plugins, "on_response")
         self.on_complete = hooks(plugins, "on_complete")
         self._background: set[asyncio.Task[None]] = set()
+        self.access = logging.getLogger("sluice.access") if settings.log.access else None
+        self.inflight = 0
+        self.cut = 0  # requests ended by shutdown after the grace period
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
@@ -113,14 +116,19 @@ class Pipeline:
                 watcher.add_done_callback(client_left)
 
         timer = loop.call_later(WATCH_AFTER_S, watch)
+        self.inflight += 1
         try:
             await self._respond(ex, send, outcome)
         except asyncio.CancelledError:
-            if not outcome.client_gone:
-                raise
             task.uncancel()
-            outcome.error = outcome.error or "client disconnected"
+            if outcome.client_gone:
+                outcome.error = outcome.error or "client disconnected"
+            else:
+                # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
+                # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
+                await self._cut(ex, send, outcome)
         finally:
+            self.inflight -= 1
             done = True
             timer.cancel()
             if watcher is not None:
@@ -133,8 +141,28 @@ class Pipeline:
                 job = loop.create_task(self._complete(ex, outcome))
                 self._background.add(job)
                 job.add_done_callback(self._background.discard)
-            elif self.telemetry is not None:
+            elif self.telemetry is not None or self.access is not None:
                 loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
+
+    async def _cut(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
+        self.cut += 1
+        outcome.error = "gateway shutting down"
+        error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
+        try:
+            if ex.overhead_ms:  # set just before the head went out: the body is under way
+                await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
+            else:
+                await send_error(send, error, ex.request_id)
+                outcome.status = error.status
+        except Exception:
+            log.debug("request %s: could not end it before shutdown", ex.request_id, exc_info=True)
+
+    async def drain(self, timeout: float = 1.0) -> int:
+        """Wait (briefly) for requests ended by shutdown to write their last bytes; return how many were cut."""
+        deadline = time.monotonic() + timeout
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.cut
 
     async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
         answer = await self._answer(ex, outcome)
@@ -267,20 +295,42 @@ class Pipeline:
         outcome.complete = True
 
     def _record(self, ex: Exchange, outcome: Outcome) -> None:
-        assert self.telemetry is not None
         try:
-            self.telemetry.complete(ex, outcome)
+            if self.telemetry is not None:
+                self.telemetry.complete(ex, outcome)
+            if self.access is not None:
+                access_line(self.access, ex, outcome)
         except Exception:
             log.exception("telemetry failed")
 
     async def _complete(self, ex: Exchange, outcome: Outcome) -> None:
-        if self.telemetry is not None:
-            self._record(ex, outcome)
+        self._record(ex, outcome)
         for name, hook in self.on_complete:
             try:
                 await hook(ex, outcome)
             except Exception:
                 log.exception("plugin %s: on_complete failed", name)
+
+
+def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:
+    """One line per request, made after it ended: who, what, how it went and where the time went."""
+    total = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
+    status = outcome.status or 499  # the client left before the head
+    fields = {
+        "request_id": ex.request_id,
+        "tenant": ex.tenant,
+        "model": ex.model,
+        "served_model": ex.served.model if ex.served is not None else None,
+        "stream": ex.stream,
+        "status": status,
+        "ttft_ms": round(outcome.ttft_ms, 3) if outcome.ttft_ms is not None else None,
+        "total_ms": round(total, 3),
+        "overhead_ms": round(ex.overhead_ms, 3),
+        "cache": cache_result(ex),
+        "fallback": ex.fallback,
+        "error": outcome.error,
+    }
+    logger.info("%s %d", ex.endpoint, status, extra={"fields": fields})
 
 
 async def send_error(send: Send, exc: errors.GatewayError, rid: str) -> None:

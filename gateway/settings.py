@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 DEFAULT_PATH = Path("config/gateway.yaml")
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
@@ -91,7 +91,7 @@ Backend = Annotated[OpenAIBackend | AzureBackend | VLLMBackend | SimulatedBacken
 
 
 class PoolSettings(Strict):
-    max_connections: int = Field(256, ge=1)
+    max_connections: int = Field(1024, ge=1)  # per backend; Envoy's per-cluster default
     keepalive: int = Field(64, ge=0)  # idle connections kept per backend
     http2: bool = False
     warm_connections: int = Field(4, ge=0)
@@ -183,6 +183,19 @@ class TelemetrySettings(Strict):
 
 class LimitSettings(Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers; over it: 431
+    header_timeout_s: float = Field(10.0, gt=0)  # to receive the request head once a request has begun: 408
+    body_timeout_s: float = Field(60.0, gt=0)  # the longest silence while receiving the body: 408
+
+
+class LogSettings(Strict):
+    level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # `--log-level` overrides
+    format: Literal["text", "json"] = "text"  # `--log-format` overrides
+    access: bool = False  # one line per request, after it ended (`--access-log` turns it on)
+
+
+class ShutdownSettings(Strict):
+    grace_s: float = Field(30.0, ge=0)  # requests in flight may finish this long after SIGTERM
 
 
 class Settings(Strict):
@@ -197,7 +210,14 @@ class Settings(Strict):
     cache: CacheSettings = CacheSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     limits: LimitSettings = LimitSettings()
+    log: LogSettings = LogSettings()
+    shutdown: ShutdownSettings = ShutdownSettings()
     plugins: list[str] = []
+    _source: str = PrivateAttr("<config>")  # where the settings were read from, for the start-up summary
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     @model_validator(mode="after")
     def _references(self) -> Settings:
@@ -246,9 +266,11 @@ def parse(text: str, source: str = "<config>") -> Settings:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     try:
-        return Settings.model_validate(expand_env(raw))
+        settings = Settings.model_validate(expand_env(raw))
     except ValidationError as exc:
         raise ConfigError(f"{source}: {_first_error(exc)}") from exc
+    settings._source = source
+    return settings
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -271,4 +293,6 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
-    return parse(text, str(path))
+    settings = parse(text, str(path))
+    settings._source = str(Path(path).resolve())  # the file actually loaded, wherever the gateway was started
+    return settings

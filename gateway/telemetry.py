@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from gateway.settings import Settings
     from gateway.store import Store
     from gateway.tracing import Tracing
+    from gateway.upstream import Upstreams
 
 log = logging.getLogger("sluice.telemetry")
 
@@ -54,9 +55,12 @@ def slo_source(plugins: list[Plugin]) -> SloSource | None:
 class Telemetry:
     """One per process: metrics always, tracing when there is a collector to send spans to."""
 
-    def __init__(self, settings: Settings, plugins: list[Plugin], store: Store | None = None) -> None:
+    def __init__(
+        self, settings: Settings, plugins: list[Plugin], store: Store | None = None, upstreams: Upstreams | None = None
+    ) -> None:
         self.settings = settings
-        self.metrics = Metrics(settings.telemetry, settings.tenants, slo_source(plugins), store)
+        backends = {name: p.health for name, p in upstreams.providers.items()} if upstreams is not None else None
+        self.metrics = Metrics(settings.telemetry, settings.tenants, slo_source(plugins), store, backends)
         self.tracing_enabled = tracecontext.enabled(settings.telemetry)
         self.tracing: Tracing | None = None
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.context import Target
-from gateway.pool import PoolError
+from gateway.pool import PoolError, PoolTimeout
 from gateway.providers.azure import AzureProvider
 from gateway.providers.openai import OpenAIProvider
 from gateway.providers.simulated import SimulatedProvider
@@ -82,7 +82,8 @@ class Plan:
 def build_provider(name: str, settings: Settings) -> Provider:
     backend = settings.backends[name]
     if backend.type == "simulated":
-        return SimulatedProvider(Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens))
+        profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens)
+        return SimulatedProvider(profile, name)
     if backend.type == "azure":
         return AzureProvider(name, backend, settings.pool)
     if backend.type == "vllm":
@@ -123,7 +124,11 @@ class Upstreams:
 
     @property
     def ready(self) -> bool:
+        """Every backend's warm-up has been attempted (up or down: readiness is not the upstreams' health)."""
         return all(p.ready for p in self.providers.values())
+
+    def report(self) -> dict[str, dict[str, object]]:
+        return {name: provider.health.report() for name, provider in self.providers.items()}
 
     async def aclose(self) -> None:
         await asyncio.gather(*(p.aclose() for p in self.providers.values()), return_exceptions=True)
@@ -135,7 +140,14 @@ class Upstreams:
         again, after the last failure's `retry-after` (if it is short enough) or a jittered back-off.
         """
         spec = self.targets[ex.model].settings
-        plan = Plan(ex.targets, spec.max_attempts or len(ex.targets), ex.hedge_after_ms is not None)
+        targets = ex.targets
+        for target in targets:
+            if target.provider.health.down:  # known down: the others first, it only as a last resort
+                targets = [t for t in targets if not t.provider.health.down] + [
+                    t for t in targets if t.provider.health.down
+                ]
+                break
+        plan = Plan(targets, spec.max_attempts or len(targets), ex.hedge_after_ms is not None)
         failure: errors.GatewayError | None = None
         for attempt in plan:
             if attempt.round:
@@ -198,6 +210,8 @@ class Upstreams:
                 f"model {target.model!r}: no first token within {deadline:g} ms", code="first_token_deadline"
             ) from None
         except PoolError as exc:
+            if isinstance(exc, PoolTimeout):
+                target.provider.health.exhausted()
             raise errors.from_pool_error(exc, target.backend) from None
 
     async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:

@@ -258,7 +258,8 @@ async def test_connection_refused_is_a_connect_error(make_pool: MakePool) -> Non
     with pytest.raises(ConnectError) as caught:
         await chat(pool)
     assert not isinstance(caught.value, ConnectTimeout)
-    assert await pool.warm(2) == 0
+    with pytest.raises(ConnectError):  # a warm-up that opens nothing says why
+        await pool.warm(2)
     assert pool.size == 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import signal
@@ -246,3 +247,52 @@ auth: {{required: false}}
             assert set(error) == {"message", "type", "param", "code"}
         assert metric(gw.url, "sluice_upstream_pool_exhausted_total", 'backend="main"') == 1
     assert any("connection pool exhausted" in record.getMessage() for record in caplog.records)
+
+
+async def raw_stream(port: int, body: bytes) -> bytes:
+    """One streamed request on its own connection, read to the end: the cheapest client there is."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        writer.write(head.encode() + body)
+        return await reader.read(-1)
+    finally:
+        writer.close()
+
+
+def test_a_thousand_concurrent_streams_on_default_pool_settings(tmp_path: Path) -> None:
+    # Streams of 11 s: longer than pool.pool_timeout_s (10 s), so every one needs a connection of its own.
+    port = free_port()
+    simulator = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--ttft-ms", "500", "--tpot-ms", "700"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert simulator.stdout is not None
+        assert b"listening" in simulator.stdout.readline()
+        config = f"""
+backends: {{sim: {{type: vllm, base_url: "http://127.0.0.1:{port}/v1"}}}}
+models: {{chat: {{backend: sim}}}}
+auth: {{required: false}}
+"""
+        with gateway_process(config, tmp_path) as gw:
+            body = json.dumps({"model": "chat", "messages": MESSAGES, "stream": True}).encode()
+
+            async def run() -> list[bytes]:
+                return await asyncio.gather(*(raw_stream(gw.port, body) for _ in range(1000)))
+
+            answers = asyncio.run(asyncio.wait_for(run(), 120))
+            complete = sum(a.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in a for a in answers)
+            errors = sum(b'"error"' in a for a in answers)
+            assert (complete, errors) == (1000, 0)
+            text = gw.log_text()
+        assert "pool exhausted" not in text
+    finally:
+        simulator.terminate()
+        simulator.wait(10)
+        if simulator.stdout is not None:
+            simulator.stdout.close()

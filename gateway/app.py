@@ -40,10 +40,11 @@ ENDPOINTS = {
 }
 # Deployment paths: Azure's dated form, and what `AzureOpenAI(base_url=".../openai/v1")` sends.
 AZURE_PREFIXES = ("/openai/deployments/", "/openai/v1/deployments/")
-# How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools, no access log, and
+# How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools (gateway/protocol.py), no
+# uvicorn access log (the gateway has its own), and
 # neither proxy-headers middleware nor a server header, since nothing on the request path reads them.
 SERVER_OPTIONS: dict[str, object] = {
-    "http": "httptools",
+    "http": "gateway.protocol:GatewayProtocol",  # httptools, with limits on heads and slow clients
     "lifespan": "on",
     "access_log": False,
     "proxy_headers": False,

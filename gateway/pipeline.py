@@ -157,10 +157,16 @@ class Pipeline:
         except Exception:
             log.debug("request %s: could not end it before shutdown", ex.request_id, exc_info=True)
 
+    @property
+    def busy(self) -> int:
+        """Requests in flight, and completion tasks (cache stores, SLO samples) not yet done."""
+        return self.inflight + len(self._background)
+
     async def drain(self, timeout: float = 1.0) -> int:
-        """Wait (briefly) for requests ended by shutdown to write their last bytes; return how many were cut."""
+        """Wait (briefly) for requests ended by shutdown to write their last bytes and for completion tasks;
+        return how many requests were cut."""
         deadline = time.monotonic() + timeout
-        while self.inflight and time.monotonic() < deadline:
+        while self.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return self.cut
 

@@ -170,7 +170,8 @@ def test_every_target_down_serves_a_stale_answer(large: ScriptedUpstream, small:
     with gateway_thread(text) as gw:
         client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
         fresh = client.chat.completions.create(model="chat-large", messages=MESSAGES, temperature=0)
-        time.sleep(0.7)  # past its TTL
+        gw.settle()  # stored
+        time.sleep(0.7)  # not a wait for a condition: the entry's TTL (0.5 s) must pass
         large.default = small.default = Status(503)
         raw = client.chat.completions.with_raw_response.create(model="chat-large", messages=MESSAGES, temperature=0)
         assert raw.headers["x-sluice-cache"] == "stale"

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from gateway.app import SERVER_OPTIONS, create_app
+from gateway.app import SERVER_OPTIONS, Gateway, create_app
 from gateway.settings import parse
+from tests.support.wait import wait_until
 
 
 def free_port() -> int:
@@ -27,8 +28,15 @@ def free_port() -> int:
 
 
 class RunningGateway:
-    def __init__(self, port: int, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        proc: subprocess.Popen[bytes] | None = None,
+        log: Path | None = None,
+        app: Gateway | None = None,
+    ) -> None:
         self.port = port
+        self.app = app  # the app, when it runs in this process
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
         self.proc = proc  # `sluice serve` when run as a process
@@ -36,6 +44,21 @@ class RunningGateway:
 
     def log_text(self) -> str:
         return self.log.read_text() if self.log is not None else ""
+
+    def store_available(self) -> bool:
+        """The gateway's Redis client would try Redis again: its circuit breaker's cool-down is over."""
+        runtime = self.app.runtime if self.app is not None else None
+        return runtime is not None and runtime.store is not None and runtime.store.available
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until no request is in flight and every completion task (cache store, SLO sample) is done."""
+        assert self.app is not None, "only for a gateway in this process"
+        app = self.app
+
+        def settled() -> bool:
+            return app.runtime is not None and app.runtime.pipeline.busy == 0
+
+        wait_until(settled, timeout, interval=0.005, what="completion tasks done")
 
 
 # Start-up imports the SDKs, warms pools and starts plugins: on a loaded 2-core machine that can take many
@@ -89,7 +112,7 @@ def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    running = RunningGateway(port)
+    running = RunningGateway(port, app=app)
     try:
         wait_ready(running.url, path="/readyz" if ready else "/healthz")
         yield running

@@ -134,14 +134,15 @@ class Gateway:
         body, content_type = runtime.telemetry.exposition(request.headers.get("accept", ""))
         return Response(body, headers={"content-type": content_type})
 
-    async def http_error(self, _: Request, exc: HTTPException) -> Response:
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 405:
             error: errors.GatewayError = errors.MethodNotAllowedError("method not allowed")
         elif exc.status_code == 404:
             error = errors.NotFoundError("unknown URL", code="unknown_url")
         else:
             error = errors.GatewayError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
-        return Response(error.body(), status_code=error.status, headers=exc.headers, media_type="application/json")
+        headers = {**(exc.headers or {}), "x-request-id": request_id(request.scope["headers"])}
+        return Response(error.body(), status_code=error.status, headers=headers, media_type="application/json")
 
 
 def create_app(settings: Settings | None = None) -> Gateway:

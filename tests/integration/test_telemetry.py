@@ -339,7 +339,7 @@ def test_an_incoming_traceparent_is_continued(
 
 
 def test_a_collector_that_is_down_costs_requests_nothing(
-    fast_export: None, monkeypatch: pytest.MonkeyPatch, upstream: ScriptedUpstream
+    fast_export: None, monkeypatch: pytest.MonkeyPatch, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     upstream.default = Ok(tokens=3)
@@ -354,6 +354,15 @@ def test_a_collector_that_is_down_costs_requests_nothing(
         assert slowest < 0.5
         # The exporter gives up, and says so.
         wait_until(lambda: metric(scrape(gw), "sluice_trace_spans_total", result="export_failed") > 0, interval=0.2)
+        first = metric(scrape(gw), "sluice_trace_spans_total", result="export_failed")
+        assert chat(gw, stream=False, cache_control="no-cache").status_code == 200
+        wait_until(
+            lambda: metric(scrape(gw), "sluice_trace_spans_total", result="export_failed") > first,
+            interval=0.2,
+            what="a later export failing too",
+        )
+        failing = [r for r in caplog.records if r.getMessage().startswith("trace collector failing")]
+        assert len(failing) == 1 and failing[0].name == "sluice.tracing"  # once, not once per batch
         stopping = time.perf_counter()
     assert time.perf_counter() - stopping < 5.0  # shutdown does not wait on the collector
 

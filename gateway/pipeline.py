@@ -126,6 +126,7 @@ class Pipeline:
             else:
                 # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
                 # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
+                done = True  # a client leaving now must not cancel the last words
                 await self._cut(ex, send, outcome)
         finally:
             self.inflight -= 1
@@ -150,7 +151,8 @@ class Pipeline:
         error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
         try:
             if ex.overhead_ms:  # set just before the head went out: the body is under way
-                await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
+                if ex.stream:  # a whole answer is one message: it went out whole, or cannot be ended cleanly
+                    await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
             else:
                 await send_error(send, error, ex.request_id)
                 outcome.status = error.status

@@ -122,13 +122,13 @@ def test_tokens_reservation_and_usage_refund(redis_server: RedisServer, http: ht
         left = int(first.headers["x-ratelimit-remaining-tokens"])
         assert 900 < left < 1000  # 1000 for the answer plus the prompt estimate
         assert first.json()["usage"]["total_tokens"] < 20
-        time.sleep(0.2)  # the correction runs right after the last byte
+        gw.settle()  # the correction runs right after the last byte
         # Without the refund this reservation (> 1000) would not fit in what was left (< 1000 + 7 refilled).
         second = chat(http, gw, max_tokens=1000)
         assert second.status_code == 200, second.text
         # The first request now costs its usage (< 20) only, the second its whole reservation.
         assert left - 20 <= int(second.headers["x-ratelimit-remaining-tokens"]) < left + 10
-        time.sleep(0.2)
+        gw.settle()
         # A stream without usage keeps its reservation; then a reservation that does not fit is refused.
         with http.stream(
             "POST", f"{gw.base_url}/chat/completions",

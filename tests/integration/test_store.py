@@ -8,6 +8,7 @@ import time
 
 from gateway.store import Store, StoreUnavailable
 from tests.support.redis import RedisServer
+from tests.support.wait import until
 
 
 async def test_a_burst_is_pipelined_on_a_few_connections_instead_of_failing(redis_server: RedisServer) -> None:
@@ -34,7 +35,7 @@ async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server:
         assert time.monotonic() - started < 0.5  # one failed try, then the breaker answers at once
         assert store.failures == 1 and not store.available
         redis_server.start()
-        await asyncio.sleep(0.6)
+        await until(lambda: store.available, what="the breaker's cool-down")
         assert await store.execute("PING")
     finally:
         await store.aclose()

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from gateway.resp import parse_url
+
 
 class ConfigError(Exception):
     """Configuration problems, one line each, each naming the file and the YAML path."""
@@ -95,7 +97,7 @@ Backend = Annotated[
 
 
 class PoolSettings(Strict):
-    max_connections: int = Field(256, ge=1)
+    max_connections: int = Field(1024, ge=1)  # per backend; Envoy's per-cluster default
     keepalive: int = Field(64, ge=0)  # idle connections kept per backend
     http2: bool = False
     warm_connections: int = Field(4, ge=0)
@@ -132,6 +134,13 @@ class TenantSettings(Strict):
 class RedisSettings(Strict):
     url: str = ""
 
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if url:
+            parse_url(url)  # a bad scheme, port or database number is a config error, not a failing store
+        return url
+
 
 class TelemetrySettings(Strict):
     exporter: Literal["otlp", "zipkin"] = "otlp"
@@ -154,6 +163,19 @@ class TelemetrySettings(Strict):
 
 class LimitSettings(Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers; over it: 431
+    header_timeout_s: float = Field(10.0, gt=0)  # to receive the request head once a request has begun: 408
+    body_timeout_s: float = Field(60.0, gt=0)  # the longest silence while receiving the body: 408
+
+
+class LogSettings(Strict):
+    level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # `--log-level` overrides
+    format: Literal["text", "json"] = "text"  # `--log-format` overrides
+    access: bool = False  # one line per request, after it ended (`--access-log` turns it on)
+
+
+class ShutdownSettings(Strict):
+    grace_s: float = Field(30.0, ge=0)  # requests in flight may finish this long after SIGTERM
 
 
 class Settings(Strict):
@@ -165,9 +187,17 @@ class Settings(Strict):
     redis: RedisSettings = RedisSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     limits: LimitSettings = LimitSettings()
+    log: LogSettings = LogSettings()
+    shutdown: ShutdownSettings = ShutdownSettings()
     plugins: list[str] = []
     # Each listed plugin's parts of the config, validated by its own schema (set by gateway/config.py).
     _plugin_config: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    _source: str = PrivateAttr("<config>")  # where the settings were read from, for the start-up summary
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     def plugin_config(self, name: str) -> Any:
         """The `Configured` parts of plugin `name`, as the loader validated them."""

@@ -144,7 +144,7 @@ class Warmup:
         failing = False
         while True:
             await asyncio.sleep(every)
-            if isinstance(provider, SelfHostedProvider) and provider.health != "up":
+            if isinstance(provider, SelfHostedProvider) and provider.server != "up":
                 continue  # a loading or unreachable server: the state watch brings it back, then the warm-up
             try:
                 if isinstance(provider, OllamaProvider):

@@ -17,7 +17,7 @@ What is its own (ollama/ollama: docs/api.md for the native API, docs/openai.md f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 
@@ -38,8 +38,8 @@ class OllamaProvider(SelfHostedProvider):
         self.resident: frozenset[str] = frozenset()  # models in memory at the last check (GET /api/ps)
 
     async def probe(self, http: httpx.AsyncClient) -> tuple[str, str]:
-        health, detail = await super().probe(http)
-        if health == "up":
+        server, detail = await super().probe(http)
+        if server == "up":
             response = await http.get("/api/ps")
             models: list[object] = []
             try:
@@ -48,7 +48,10 @@ class OllamaProvider(SelfHostedProvider):
             except (ValueError, AttributeError):
                 models = []  # an answer we cannot read says nothing about which models are loaded
             self.resident = frozenset(str(m.get("name") or m.get("model")) for m in models if isinstance(m, dict))
-        return health, detail
+        return server, detail
+
+    def report(self) -> dict[str, Any]:
+        return {**super().report(), "resident": sorted(self.resident)}
 
     async def keep_warm(self, model: str, keep_alive: str | int | None, timeout_s: float) -> None:
         """Load `model` if it is not in memory, and keep it there for `keep_alive` (the server's default if None).

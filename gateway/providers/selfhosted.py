@@ -5,11 +5,12 @@ requests go through the HTTP provider's warm pool unchanged. What differs is how
 path of its own, and for some a "still loading the model" answer. That is polled in the background with httpx
 (off the hot path): every LOADING_POLL_S while the server is loading or unreachable, every UP_POLL_S once it is up.
 
-`health` is what the last check found: "unknown" (not checked yet), "loading", "up" or "down". While it is
-"loading", `loading` is True: a plain attribute, so that the request path can route around the backend with an
-attribute read (gateway/pipeline.py), and listeners (gateway/warmup.py) hear of every change to count it, warm
-the model again, and show it. `state` is what a status page shows: "loading" while loading, else the connection
-state where the HTTP provider tracks one, else `health`.
+`server` is what the last check found: "unknown" (not checked yet), "loading", "up" or "down". It is the
+server's own account, beside `health` (gateway/health.py), which is the connections' (up, down, warming). While
+it is "loading", `loading` is True: a plain attribute, so that the request path can route around the backend
+with an attribute read (gateway/pipeline.py), and listeners (gateway/warmup.py) hear of every change to count
+it, warm the model again, and show it. `state` is what `/status` shows: "loading" while loading, else the
+connections' state; `report()` adds the server's account to the connections' report.
 
 Parameter quirks are refused before anything is sent: a server that answers one choice per request gets
 `n > 1` back as a 400 naming the backend, rather than a silent single choice or a 500 (the cost per request is
@@ -50,7 +51,7 @@ class SelfHostedProvider(HttpProvider):
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         super().__init__(name, backend, pool)
         self.root = self.url.removesuffix("/v1")
-        self.health = "unknown"
+        self.server = "unknown"
         self.loading = False
         self.detail = ""  # what the last health check said, for logs and the status page
         self.listeners: list[Listener] = []
@@ -61,10 +62,11 @@ class SelfHostedProvider(HttpProvider):
 
     @property
     def state(self) -> str:
-        if self.loading:
-            return "loading"
-        connection = getattr(super(), "state", None)  # the HTTP provider's own up/down, where it keeps one
-        return connection if isinstance(connection, str) else self.health
+        return "loading" if self.loading else self.health.state
+
+    def report(self) -> dict[str, Any]:
+        """The connections' report (gateway/health.py) with the server's own account."""
+        return {**self.health.report(), "state": self.state, "server": self.server, "server_detail": self.detail}
 
     def body(self, ex: Exchange, target: Target) -> bytes:
         if self.one_choice:
@@ -88,17 +90,17 @@ class SelfHostedProvider(HttpProvider):
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def check(self) -> str:
-        """Ask the server once; update `health` (and tell the listeners when it changed)."""
+        """Ask the server once; update `server` (and tell the listeners when it changed)."""
         assert self._http is not None, "provider not started"
         try:
-            health, detail = await self.probe(self._http)
+            server, detail = await self.probe(self._http)
         except httpx.HTTPError as exc:
-            health, detail = "down", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        self._set(health, detail)
-        return health
+            server, detail = "down", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._set(server, detail)
+        return server
 
     async def probe(self, http: httpx.AsyncClient) -> tuple[str, str]:
-        """(health, detail) from the server's health path: 200 up, 503 loading; any other answer is a server
+        """(server, detail) from the server's health path: 200 up, 503 loading; any other answer is a server
         that is up without that path (a proxy in front, an older version)."""
         response = await http.get(self.health_path)
         if response.status_code == 503:
@@ -110,25 +112,25 @@ class SelfHostedProvider(HttpProvider):
     async def on_up(self, http: httpx.AsyncClient) -> None:
         """Called once each time the server comes up: read what it says about itself."""
 
-    def _set(self, health: str, detail: str) -> None:
-        before = self.health
-        self.health, self.detail = health, detail
-        self.loading = health == "loading"
-        if health == before:
+    def _set(self, server: str, detail: str) -> None:
+        before = self.server
+        self.server, self.detail = server, detail
+        self.loading = server == "loading"
+        if server == before:
             return
-        if health == "loading":
+        if server == "loading":
             log.warning("backend %s: loading its model (%s)", self.name, detail)
-        elif health == "down":
+        elif server == "down":
             log.warning("backend %s: health check failed: %s", self.name, detail)
         elif before != "unknown":
-            log.info("backend %s: up (was %s)", self.name, before)
-        if health == "up" and self._http is not None:
+            log.warning("backend %s: up (was %s)", self.name, before)
+        if server == "up" and self._http is not None:
             task = asyncio.get_running_loop().create_task(self._on_up(self._http))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         for listener in self.listeners:
             try:
-                listener(self, before, health)
+                listener(self, before, server)
             except Exception:
                 log.exception("backend %s: a state listener failed", self.name)
 
@@ -140,7 +142,7 @@ class SelfHostedProvider(HttpProvider):
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(UP_POLL_S if self.health == "up" else LOADING_POLL_S)
+            await asyncio.sleep(UP_POLL_S if self.server == "up" else LOADING_POLL_S)
             try:
                 await self.check()
             except Exception:  # a server answering nonsense must not end the watch

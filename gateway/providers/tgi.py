@@ -39,6 +39,9 @@ class TGIProvider(SelfHostedProvider):
         super().__init__(name, backend, pool)
         self.info: dict[str, Any] = {}
 
+    def report(self) -> dict[str, Any]:
+        return {**super().report(), "info": self.info}
+
     async def on_up(self, http: httpx.AsyncClient) -> None:
         response = await http.get("/info")
         if response.status_code != 200:

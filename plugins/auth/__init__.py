@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ class Auth:
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
         if self.store is not None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen(self.store.url))
+            self._listener = asyncio.get_running_loop().create_task(self._listen(self.store.node_urls))
 
     async def shutdown(self) -> None:
         if self._listener is not None:
@@ -187,9 +188,12 @@ class Auth:
             log.warning("key sha256:%s... has a malformed record in redis; refusing it", hexdigest[:8])
             return None
 
-    async def _listen(self, url: str) -> None:
-        """Drop cached entries named on the channel; after any gap in the subscription, drop them all."""
-        while True:
+    async def _listen(self, urls: list[str]) -> None:
+        """Drop cached entries named on the channel; after any gap in the subscription, drop them all.
+
+        On a cluster, one node's subscription hears every PUBLISH; after a failure the next seed is tried.
+        """
+        for url in itertools.cycle(urls):
             client = aioredis.Redis.from_url(url, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:

@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, TextIO
 
 import orjson
 import redis
+import redis.cluster
 
 from gateway import request
 from gateway.config import parse, read
 from gateway.errors import GatewayError
 from gateway.plugin import Configured, Empty, load_class
+from gateway.resp import node_urls
 from gateway.settings import ConfigError, Settings
 from gateway.store import StoreUnavailable
 from plugins.cache import Cache, _deterministic, layout
@@ -185,7 +187,7 @@ async def prefill(settings: Settings, spec: str, lines: list[Line], concurrency:
             progress.show(counts, line, result)
 
         await asyncio.gather(*(one(line) for line in lines))
-        await runtime.pipeline.drain()
+        await runtime.pipeline.drain(timeout=60.0)  # the cache's on_complete: it assembles and stores
         await cache.shutdown()  # the Redis writes, before the summary says they were made
         unwritten = counts.stored - cache.stats["stored"]
         if unwritten > 0:  # answered, but not a whole success or too large to keep (max_entry_bytes)
@@ -263,10 +265,14 @@ class Progress:
 # -- stats and purge
 
 
-def connect(settings: Settings) -> redis.Redis:
-    if not settings.redis.url:
+def connect(settings: Settings) -> redis.Redis | redis.cluster.RedisCluster:
+    url = settings.redis.url
+    if not url:
         raise CommandError("no Redis configured (redis.url): the cache is in each gateway's memory only")
-    return redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
+    if url.partition("://")[0].lower().endswith("+cluster"):  # redis-py finds the others from one seed
+        # SCAN then runs on every master; a tenant's keys share one slot, so UNLINK of a batch is one node's.
+        return redis.cluster.RedisCluster.from_url(node_urls(url)[0], socket_timeout=5, socket_connect_timeout=2)
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
 
 
 def stats(settings: Settings, spec: str, out: TextIO) -> None:
@@ -356,7 +362,7 @@ def main(args: argparse.Namespace) -> int:
         for text in str(exc).splitlines():
             print(f"sluice cache {args.action}: {text}", file=sys.stderr)
         return exc.code
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         print(f"sluice cache {args.action}: Redis is unavailable: {exc}", file=sys.stderr)
         return 1
     for message in counts.messages:

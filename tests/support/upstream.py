@@ -26,7 +26,6 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, ClassVar
@@ -144,11 +143,6 @@ class ScriptedUpstream:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._conns: set[_Connection] = set()
-        # Extensions for stand-ins of particular servers (tests/support/standins.py), run on the server's loop:
-        # `routes` answer other paths (status, JSON body); `gate` may replace a model request's behaviour
-        # (a 503 while loading) or delay it (a cold load) before it is answered.
-        self.routes: dict[str, Callable[[Recorded], Awaitable[tuple[int, Any]]]] = {}
-        self.gate: Callable[[Recorded], Awaitable[Behaviour | None]] | None = None
 
     @property
     def url(self) -> str:
@@ -335,11 +329,6 @@ class _Connection(asyncio.Protocol):
 
     async def _answer(self, request: Recorded) -> bool:
         """Answer one request; whether the connection stays open."""
-        route = self.up.routes.get(request.path)
-        if route is not None:
-            code, payload = await route(request)
-            await self._write(_json_answer(code, payload))
-            return True
         kind = _kind(request.path)
         if kind is None:
             if request.path.endswith("/models"):
@@ -349,8 +338,6 @@ class _Connection(asyncio.Protocol):
                 await self._write(_json_answer(404, _error(404)))
             return True
         behaviour = self.up._next()
-        if self.up.gate is not None:
-            behaviour = await self.up.gate(request) or behaviour
 
         def first(count: int) -> list[bytes]:
             """The first events of a normal stream, for the behaviours that break one off."""

@@ -54,6 +54,14 @@ def test_env_default_and_missing(monkeypatch: pytest.MonkeyPatch) -> None:
             "models.m.warmup.requests: Input should be greater than or equal to 0",
         ),
         ("backends: {s: {type: simulated}}\nmodels: {m: {backend: s, keep_warm_s: 0}}", "models.m.keep_warm_s"),
+        (
+            "backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\nredis: {url: 'http://:pw@h:1'}",
+            "redis.url: unsupported Redis URL scheme 'http'",
+        ),
+        (
+            "backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\nredis: {url: 'redis+cluster://a:1,b:x'}",
+            "redis.url: port 'x' is not a number",
+        ),
         ("- a list", "top level must be a mapping"),
         ("a: [unclosed", "not valid YAML"),
     ],

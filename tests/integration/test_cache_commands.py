@@ -11,11 +11,12 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+import redis.cluster
 
 from plugins.auth.keys import new_key
 from plugins.cache import layout
 from tests.support.gateway import RunningGateway, gateway_thread
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisCluster, RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
 
 ACME, ACME_HASH = new_key()
@@ -158,3 +159,27 @@ def test_commands_say_one_line_when_something_is_missing(tmp_path: Path, upstrea
     bad.write_text('{"model": "chat", "messages": []}\nnot json\n')
     result = sluice("cache", "prefill", bad, "-c", path, "--dry-run")
     assert result.returncode == 2 and f"{bad}:2: not valid JSON" in result.stderr
+
+
+def test_stats_and_purge_on_a_redis_cluster(redis_cluster: RedisCluster, tmp_path: Path) -> None:
+    cluster = redis.cluster.RedisCluster.from_url(
+        f"redis://127.0.0.1:{redis_cluster.servers[0].port}", socket_timeout=2
+    )
+    try:
+        for tenant in ("acme", "globex", "initech"):
+            for i in range(5):
+                cluster.set(layout.prefix(tenant, "chat") + f"{i:064x}", b"{}")
+        path = tmp_path / "gateway.yaml"
+        path.write_text(config("http://127.0.0.1:9", redis_cluster.url))
+        stats = sluice("cache", "stats", "-c", path)
+        assert stats.returncode == 0, stats.stderr
+        rows = {tuple(line.split()[:3]) for line in stats.stdout.splitlines()}
+        assert {("acme", "chat", "5"), ("globex", "chat", "5"), ("initech", "chat", "5")} <= rows
+        purged = sluice("cache", "purge", "--tenant", "globex", "-c", path)
+        assert purged.returncode == 0, purged.stderr
+        assert "purged 5 entries of tenant globex" in purged.stdout
+        left = {layout.parts(key.decode()) for key in cluster.scan_iter(match="sluice:cache:*")}
+        assert left == {("acme", "chat"), ("initech", "chat")}
+        assert sum(1 for _ in cluster.scan_iter(match="sluice:cache:*")) == 10
+    finally:
+        cluster.close()

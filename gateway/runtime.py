@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
+from gateway.resp import node_urls
 from gateway.settings import Settings
 from gateway.store import Store, StoreUnavailable
 from gateway.telemetry import Telemetry
@@ -110,7 +111,10 @@ class Runtime:
 
 
 def _redis_place(url: str) -> str:
-    """host:port/db of a Redis URL, without its credentials."""
-    parts = urlsplit(url)
-    host = parts.hostname or "localhost"
-    return f"{host}:{parts.port or 6379}{parts.path if parts.path not in ('', '/') else ''}"
+    """host:port/db of a Redis URL (each seed's, for a cluster), without its credentials."""
+    places = []
+    for node in node_urls(url):  # a cluster URL's netloc lists several host:port pairs, which urlsplit cannot
+        parts = urlsplit(node)
+        host = parts.hostname or "localhost"
+        places.append(f"{host}:{parts.port or 6379}{parts.path if parts.path not in ('', '/') else ''}")
+    return ",".join(places)

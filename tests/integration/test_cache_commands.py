@@ -181,5 +181,16 @@ def test_stats_and_purge_on_a_redis_cluster(redis_cluster: RedisCluster, tmp_pat
         left = {layout.parts(key.decode()) for key in cluster.scan_iter(match="sluice:cache:*")}
         assert left == {("acme", "chat"), ("initech", "chat")}
         assert sum(1 for _ in cluster.scan_iter(match="sluice:cache:*")) == 10
+        # Prefill stores through the gateway's own cluster client, under the tenant's tag.
+        with ScriptedUpstream(default=Ok(ttft_ms=5, tokens=3)) as up:
+            path.write_text(config(up.url, redis_cluster.url))
+            lines = jsonl(tmp_path, [body(q) for q in QUESTIONS])
+            filled = sluice("cache", "prefill", lines, "-c", path, "--tenant", "globex")
+            assert filled.returncode == 0, filled.stderr
+            assert "stored 3, already present 0, failed 0" in filled.stdout
+            again = sluice("cache", "prefill", lines, "-c", path, "--tenant", "globex")
+            assert "stored 0, already present 3, failed 0" in again.stdout and calls(up) == 3
+        globex = [key for key in cluster.scan_iter(match=layout.pattern("globex"))]
+        assert len(globex) == 3
     finally:
         cluster.close()

@@ -5,7 +5,8 @@ prompt cache, for Ollama the load of the model itself. Per model, `warmup: {requ
 requests through its backend (the same warm pool and path as user requests, one after the other) before the
 gateway reports ready, bounded by `timeout_s`. The gateway becomes ready after the attempt whatever its result,
 which is logged: a backend that is down must not keep the others from serving. The same warm-up runs again
-each time a self-hosted backend comes back (from `loading` or `down` to `up`).
+each time a backend comes back: a self-hosted one from `loading` or `down` to `up` (its health path), any
+other from `down` to `up` (its connections' state, gateway/health.py, looked at every second).
 
 `keep_warm_s` keeps a model resident on servers that unload idle models: every `keep_warm_s` it sends the
 cheapest request the server allows (Ollama: a load with no prompt, carrying the model's `keep_alive`; other
@@ -36,6 +37,7 @@ from gateway.settings import WarmupSettings
 if TYPE_CHECKING:
     from gateway.context import Target
     from gateway.metrics import Meter
+    from gateway.providers.base import Provider
     from gateway.settings import Settings
     from gateway.upstream import Upstreams
 
@@ -43,6 +45,7 @@ log = logging.getLogger("sluice.warmup")
 
 DEFAULT = WarmupSettings()  # what a keep-warm ping sends to a model without a warm-up of its own
 CAME_BACK = frozenset({"loading", "down"})
+CONNECTION_POLL_S = 1.0
 
 
 class Warmup:
@@ -71,6 +74,13 @@ class Warmup:
         await asyncio.gather(*(self.warm(model, "start-up") for model in self.plans))
         for model, every in self.keep.items():
             self._spawn(self._keep_warm(model, every))
+        # Other backends say only whether they can be reached (gateway/health.py): one that was down and is up
+        # again is warmed again too. A flag read a second, off the request path.
+        watched = {target.provider for model, target in self.upstreams.targets.items() if model in self.plans} - {
+            p for p in self.upstreams.providers.values() if isinstance(p, SelfHostedProvider)
+        }
+        if watched:
+            self._spawn(self._watch_connections(watched))
 
     async def warm(self, model: str, why: str) -> int:
         """Send the model's warm-up requests; how many succeeded. Never raises: the result is logged."""
@@ -133,6 +143,17 @@ class Warmup:
             for model, target in self.upstreams.targets.items():
                 if target.provider is provider and model in self.plans:
                     self._spawn(self._rewarm(model, before))
+
+    async def _watch_connections(self, providers: set[Provider]) -> None:
+        seen = {provider: provider.health.state for provider in providers}
+        while True:
+            await asyncio.sleep(CONNECTION_POLL_S)
+            for provider, before in seen.items():
+                now = seen[provider] = provider.health.state
+                if before == "down" and now == "up":
+                    for model, target in self.upstreams.targets.items():
+                        if target.provider is provider and model in self.plans:
+                            self._spawn(self._rewarm(model, "down"))
 
     async def _rewarm(self, model: str, before: str) -> None:
         await self.warm(model, f"back from {before}")

@@ -6,6 +6,8 @@ an idle unload: every wait is a poll with a deadline.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.gateway import RunningGateway, gateway_thread
+from tests.support.gateway import RunningGateway, free_port, gateway_thread
 from tests.support.standins import Standins, standin
 from tests.support.upstream import Ok, Recorded, ScriptedUpstream, Stall
 
@@ -221,3 +223,35 @@ models:
             assert len(chat_calls(up)) == 1  # the hung first one; the others were not sent
             assert up.wait_disconnect(2.0)  # and it was abandoned, not left open
             assert client(gw).chat.completions.create(model="chat", messages=MESSAGES).choices
+
+
+def test_a_backend_that_was_down_is_warmed_again_when_it_comes_back() -> None:
+    port = free_port()
+    config = f"""
+backends:
+  up: {{type: openai, base_url: "http://127.0.0.1:{port}/v1", timeouts: {{connect_s: 1}}}}
+pool: {{warm_connections: 1}}
+models:
+  chat: {{backend: up, upstream_model: sim, warmup: {{requests: 2, timeout_s: 5}}}}
+"""
+    with gateway_thread(config) as gw:  # ready: the warm-up was attempted (and failed: nothing listens)
+        assert httpx.get(f"{gw.url}/status").json()["backends"]["up"]["state"] == "down"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "sim", "--like", "vllm", "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+
+            def warmups() -> int:
+                try:
+                    count: int = httpx.get(f"http://127.0.0.1:{port}/_sim/stats").json()["warmups"]
+                except httpx.TransportError:
+                    return 0
+                return count
+
+            wait_for(lambda: warmups() >= 2, timeout=40, what="warm-up after the backend came back")
+            assert httpx.get(f"{gw.url}/status").json()["backends"]["up"]["state"] == "up"
+        finally:
+            server.terminate()
+            server.wait(10)

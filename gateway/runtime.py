@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from urllib.parse import urlsplit
 
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
+from gateway.resp import parse_url
 from gateway.settings import Settings
 from gateway.store import Store, StoreUnavailable
 from gateway.telemetry import Telemetry
@@ -106,7 +106,7 @@ class Runtime:
 
 
 def _redis_place(url: str) -> str:
-    """host:port/db of a Redis URL, without its credentials."""
-    parts = urlsplit(url)
-    host = parts.hostname or "localhost"
-    return f"{host}:{parts.port or 6379}{parts.path if parts.path not in ('', '/') else ''}"
+    """host:port/db of a Redis URL (every seed of a cluster), without its credentials."""
+    addresses, options, cluster = parse_url(url)
+    nodes = ", ".join(f"{host}:{port}" for host, port in addresses)
+    return f"cluster {nodes}" if cluster else f"{nodes}/{options.db}"

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream
+from gateway.streaming import find_usage, relay_stream, usage_mode
 from gateway.telemetry import server_timing
 
 if TYPE_CHECKING:
@@ -205,8 +205,10 @@ class Pipeline:
         if opened is not None and ex.stream:
             try:
                 await send({"type": "http.response.start", "status": status, "headers": head.headers})
+                assert ex.served is not None
+                mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
                 await relay_stream(
-                    send, opened.response, opened.first, outcome, tuple(taps), ex.started, opened.token_at
+                    send, opened.response, opened.first, outcome, tuple(taps), ex.started, opened.token_at, mode
                 )
             finally:
                 opened.response.close()

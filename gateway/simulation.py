@@ -75,13 +75,16 @@ class _Invalid(Exception):
         self.param = param
 
 
-def simulate(endpoint: str, body: dict[str, Any], model: str, profile: Profile) -> Reply:
-    """Script the answer to `body` sent to `endpoint` ("chat/completions", "completions" or "embeddings")."""
+def simulate(endpoint: str, body: dict[str, Any], model: str, profile: Profile, usage: bool = False) -> Reply:
+    """Script the answer to `body` sent to `endpoint` ("chat/completions", "completions" or "embeddings").
+
+    `usage`: a stream reports its usage as if `stream_options.include_usage` had been sent.
+    """
     try:
         if endpoint == "chat/completions":
-            return _chat(body, model, profile)
+            return _chat(body, model, profile, usage)
         if endpoint == "completions":
-            return _completion(body, model, profile)
+            return _completion(body, model, profile, usage)
         if endpoint == "embeddings":
             return _embeddings(body, model, profile)
     except _Invalid as exc:
@@ -103,13 +106,14 @@ def json_reply(status: int, body: object) -> Reply:
 # Endpoints
 
 
-def _chat(body: dict[str, Any], model: str, profile: Profile) -> Reply:
+def _chat(body: dict[str, Any], model: str, profile: Profile, usage_always: bool) -> Reply:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _Invalid("'messages' must be a non-empty array", "messages")
     prompt_tokens = sum(_message_tokens(message, i) for i, message in enumerate(messages))
     count, finish = _length(body, profile, ("max_completion_tokens", "max_tokens"))
     stream, include_usage = _stream_flags(body)
+    include_usage = include_usage or (stream and usage_always)
     ident, picks = _pick(b"chat\0" + _canonical(messages, "messages"), count)
     head = {"id": "chatcmpl-" + ident, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count}
@@ -126,11 +130,12 @@ def _chat(body: dict[str, Any], model: str, profile: Profile) -> Reply:
     return _stream(events, head, usage if include_usage else None, profile)
 
 
-def _completion(body: dict[str, Any], model: str, profile: Profile) -> Reply:
+def _completion(body: dict[str, Any], model: str, profile: Profile, usage_always: bool) -> Reply:
     texts = _inputs(body.get("prompt"), "prompt")
     prompt_tokens = sum(len(text.split()) for text in texts)
     count, finish = _length(body, profile, ("max_tokens",))
     stream, include_usage = _stream_flags(body)
+    include_usage = include_usage or (stream and usage_always)
     ident, picks = _pick(b"completions\0" + orjson.dumps(texts), count)
     head = {"id": "cmpl-" + ident, "object": "text_completion", "created": int(time.time()), "model": model}
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count}

@@ -37,6 +37,7 @@ class UpstreamResponse(Protocol):
 class Provider(Protocol):
     kind: ClassVar[str]  # the backend type in the config
     system: ClassVar[str]  # gen_ai.provider.name
+    reports_usage: bool  # a stream reports its usage in a last chunk (see streaming.py)
 
     async def start(self) -> None:
         """Open and warm connections. Failures are logged, not raised: readiness reports them."""

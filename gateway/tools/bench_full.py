@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gateway.tools.bench_core import GATEWAY as CORE
 from gateway.tools.bench_core import NAME as CORE_NAME
-from gateway.tools.bench_figures import SATURATED_PERCENT, Check, MaxRow, Row, check, latency_row, max_row, ms
+from gateway.tools.bench_figures import SATURATED_PERCENT, Check, MaxRow, Row, check, latency_row, max_row, ms, named
 from gateway.tools.bench_load import Run, Samples, send_all, unique_workload
 from gateway.tools.bench_rig import Cells, GatewaySpec, Phase, Rig, add, rotated
 
@@ -23,6 +23,7 @@ NAME = "full"
 CONFIG = "scenarios/full.yaml"
 SINK = "otlp sink full"
 RATES = (50.0, 200.0)
+STAGES = ("auth", "rate_limit", "cache", "slo")
 # Bodies per closed-loop run: more than a gateway can answer in its warm-up and window, so none repeats.
 CLOSED_LOOP_RPS_BOUND = 10_000
 TARGET_RPS = 3500.0
@@ -41,6 +42,8 @@ class Full:
     fill_misses: int  # of which answered `x-sluice-cache: miss`
     misses: int  # responses of the full gateway marked as misses during the cells
     responses: int  # responses of the full gateway during the cells
+    stages: dict[str, int]  # of those, how many named each plugin's stage in `server-timing`
+    spans: int  # received by its OTLP sink
     rss_mb: float  # the full gateway's peak RSS, after the fill
     errors: int
     phase: Phase
@@ -81,6 +84,7 @@ async def measure(rig: Rig) -> Full:
         fill = unique_workload("fast", False, o.plain_tokens, o.fill_prompts, headers)
         filled = await send_all(rig.through(NAME).fast, fill, o.concurrency)
         rss = rig.gateways[NAME].child.peak_rss_mb()
+    spans = await rig.sink_spans(SINK)  # the gateway has stopped, so it has flushed its spans
     ttft = {
         (name, rate): latency_row(rate, cells[("ttft", rate, "direct")], cells[("ttft", rate, name)])
         for name in names
@@ -96,7 +100,9 @@ async def measure(rig: Rig) -> Full:
         fill_misses=filled.cache.get(b"miss", 0),
         misses=sum(s.cache.get(b"miss", 0) for s in mine),
         responses=sum(len(s.latency) for s in mine),
+        stages={stage: sum(named(s.timing, stage) for s in mine) for stage in STAGES},
         rss_mb=rss,
+        spans=spans,
         errors=sum(s.errors for s in every),
         phase=phase,
     )
@@ -154,6 +160,7 @@ def render(f: Full) -> list[str]:
         f"- Cache misses: {f.misses:,} of the full gateway's {f.responses:,} answers in the cells; then "
         f"{f.fill_misses:,} of {f.filled:,} unique prompts in the fill; peak RSS after it {f.rss_mb:.0f} MB "
         "(the default L1 bounds: 10,000 entries, 64 MiB).",
+        f"- Spans received by the sink: {f.spans:,}.",
     ]
     return lines
 

@@ -130,8 +130,9 @@ def test_full_ran_every_stage_and_every_request_missed(report: bench.Report) -> 
     assert positive(f.share) and math.isfinite(f.p99_over_bare)
     # Unique prompts: every answer of the full gateway was a cache miss, in the cells and in the fill.
     assert f.misses == f.responses > 0
+    assert f.stages == dict.fromkeys(("auth", "rate_limit", "cache", "slo"), f.responses)
     assert f.fill_misses == f.filled == bench.SMOKE.fill_prompts
-    assert positive(f.rss_mb)
+    assert positive(f.rss_mb) and f.spans > 0
 
 
 def test_targets_are_judged(report: bench.Report) -> None:

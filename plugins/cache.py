@@ -29,16 +29,16 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import orjson
-from cachetools import TLRUCache
 
 from gateway import completion
 from gateway.errors import UpstreamError
 from gateway.plugin import Reply, Tap
 from gateway.store import Store, StoreUnavailable
+from plugins.cache_l1 import L1
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -53,8 +53,8 @@ TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "sto
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
 HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
-# What an L1 entry costs beyond its bytes: the key (a 80-character str), the Entry, the TLRU cache's
-# link and heap item; measured with tracemalloc (see tests/unit/test_cache_memory.py).
+# What an L1 entry costs beyond its bytes: the key (an 80-character str), the Entry and its bytes object,
+# L1's two dict slots; measured with tracemalloc (see tests/unit/test_cache_memory.py), with room to spare.
 ENTRY_OVERHEAD = 800
 WRITE_BATCH = 64  # SETs per pipelined round trip
 MAX_PENDING_WRITES = 4096  # beyond this (Redis slow), the oldest queued writes are dropped
@@ -67,31 +67,32 @@ class Policy:
     shared: bool
 
 
-@dataclass(slots=True)
 class Entry:
-    endpoint: str
-    served: str  # the model that produced the answer
-    json: bytes  # the answer's JSON, as a JSON hit sends it; parsed only to make an SSE replay
-    fresh_until: float  # wall-clock seconds: a hit until then, only a stale rescue after
-    expires: float  # wall-clock seconds: gone after
-    streams: dict[bool, bytes] = field(default_factory=dict)  # SSE replays made so far, by include_usage
+    __slots__ = ("endpoint", "expires", "fresh_until", "json", "served", "size", "streams")
+
+    def __init__(self, endpoint: str, served: str, json: bytes, fresh_until: float, expires: float) -> None:
+        self.endpoint = endpoint
+        self.served = served  # the model that produced the answer
+        self.json = json  # the answer's JSON, as a JSON hit sends it; parsed only to make an SSE replay
+        self.fresh_until = fresh_until  # wall-clock seconds: a hit until then, only a stale rescue after
+        self.expires = expires  # wall-clock seconds: gone after
+        self.streams: dict[bool, bytes] | None = None  # SSE replays made so far, by include_usage
+        self.size = len(json) + ENTRY_OVERHEAD  # the memory it holds, as L1 accounts it
 
     @property
     def fresh(self) -> bool:
         return time.time() < self.fresh_until
 
-    @property
-    def size(self) -> int:
-        """The memory it holds, as L1 accounts it."""
-        return len(self.json) + sum(len(body) for body in self.streams.values()) + ENTRY_OVERHEAD
-
     def sse(self, include_usage: bool) -> tuple[bytes, bool]:
         """The answer as a stream, made on the first streamed hit and reused by the next; True if made now."""
-        body = self.streams.get(include_usage)
+        streams = self.streams
+        if streams is None:
+            streams = self.streams = {}
+        body = streams.get(include_usage)
         if body is not None:
             return body, False
-        body = completion.replay(self.endpoint, orjson.loads(self.json), include_usage)
-        self.streams[include_usage] = body
+        body = streams[include_usage] = completion.replay(self.endpoint, orjson.loads(self.json), include_usage)
+        self.size += len(body)
         return body, True
 
     def record(self) -> bytes:
@@ -132,7 +133,8 @@ class Flight:
         self.done = False  # the leader's answer ended, well or badly
         self.entry: Entry | None = None  # set when it ended well and was stored
         self.failed = False
-        self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Made only when someone waits: most flights are followed by nobody.
+        self._changed: asyncio.Future[None] | None = None
 
     def feed(self, chunk: bytes) -> None:
         if chunk:
@@ -145,14 +147,20 @@ class Flight:
 
     def _wake(self) -> None:
         changed = self._changed
-        if not changed.done():
+        if changed is not None:
+            self._changed = None
+            if not changed.done():
+                changed.set_result(None)
+
+    def _waiter(self) -> asyncio.Future[None]:
+        if self._changed is None:
             self._changed = asyncio.get_running_loop().create_future()
-            changed.set_result(None)
+        return self._changed
 
     async def changed(self, timeout: float) -> bool:
         """Wait for the next chunk or the end; False on timeout."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+            await asyncio.wait_for(asyncio.shield(self._waiter()), timeout)
         except TimeoutError:
             return False
         return True
@@ -168,7 +176,7 @@ class Flight:
                 if self.failed:
                     yield UpstreamError("the shared upstream answer broke off").sse_event()
                 return
-            await asyncio.shield(self._changed)
+            await asyncio.shield(self._waiter())
 
 
 class Cache:
@@ -186,12 +194,7 @@ class Cache:
                 else Policy(always=mode == "always", ttl_s=spec.cache.ttl_s or base.ttl_s, shared=spec.cache.shared)
             )
         self.stale_s = base.stale_s
-        self.l1: TLRUCache[str, Entry] = TLRUCache(
-            maxsize=max(base.l1_bytes, 1),
-            ttu=lambda _key, entry, _now: entry.expires,
-            timer=time.time,
-            getsizeof=lambda entry: entry.size,
-        )
+        self.l1: L1[Entry] = L1(base.l1_entries, base.l1_bytes)
         self.flights: dict[str, Flight] = {}
         self.store: Store | None = None
         self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
@@ -279,8 +282,8 @@ class Cache:
         headers = [(b"x-sluice-model", entry.served.encode())]
         if ex.stream:
             body, made = entry.sse(ex.include_usage)
-            if made and key is not None and self.l1.get(key) is entry:
-                self.l1[key] = entry  # set again, so that L1 counts the replay's bytes too
+            if made and key is not None and self.l1.entries.get(key) is entry:
+                self.l1.put(key, entry)  # again, so that L1 counts the replay's bytes too
             return Reply(headers=[SSE_TYPE, *headers], body=body, source="cache")
         return Reply(headers=[JSON_TYPE, *headers], body=entry.json, source="cache")
 
@@ -302,13 +305,7 @@ class Cache:
         return entry
 
     def _keep(self, key: str, entry: Entry) -> None:
-        """Into L1, within both bounds: `l1_entries` (the oldest goes first) and `l1_bytes` (the cache's own)."""
-        limit = self.settings.l1_entries
-        if limit <= 0 or entry.size > self.l1.maxsize:
-            return
-        while len(self.l1) >= limit and key not in self.l1:
-            self.l1.popitem()
-        self.l1[key] = entry
+        self.l1.put(key, entry)
 
     async def on_failure(self, ex: Exchange, error: Exception) -> Reply | None:
         """Every target failed: an entry past its TTL is better than an error."""
@@ -353,7 +350,7 @@ class Cache:
             self._store(state.key, entry)
 
     def _assemble(self, ex: Exchange, chunks: list[bytes], ttl_s: float, outcome: Outcome) -> Entry | None:
-        body = b"".join(chunks)
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if len(body) > self.settings.max_entry_bytes * 4:
             return None
         if ex.stream:
@@ -361,7 +358,7 @@ class Cache:
         else:
             # A whole body is kept as the upstream sent it: no parse, no re-serialisation. A 200 that is
             # not a finished answer shows in its bytes (compact or spaced JSON alike).
-            whole = body.lstrip()[:1] == b"{" and b'"error":' not in body and b'"error": ' not in body
+            whole = (body[:1] == b"{" or body.lstrip()[:1] == b"{") and b'"error":' not in body
             unfinished = ex.endpoint != "embeddings" and (
                 b'"finish_reason":null' in body or b'"finish_reason": null' in body
             )

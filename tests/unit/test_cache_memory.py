@@ -12,6 +12,7 @@ from gateway import request
 from gateway.plugin import Outcome, ResponseHead
 from gateway.settings import parse
 from plugins.cache import ENTRY_OVERHEAD, Cache, Entry
+from plugins.cache_l1 import L1
 
 ANSWER = {
     "id": "chatcmpl-1",
@@ -65,7 +66,7 @@ async def test_unique_prompts_never_take_l1_past_its_entries_or_its_bytes() -> N
         await fill(by_entries, f"prompt {i}")
         await fill(by_bytes, f"prompt {i}")
     assert len(by_entries.l1) == 200
-    assert 0 < by_bytes.l1.currsize <= 300_000 and accounted(by_bytes) == by_bytes.l1.currsize
+    assert 0 < by_bytes.l1.bytes <= 300_000 and accounted(by_bytes) == by_bytes.l1.bytes
     assert len(by_bytes.l1) < 300_000 // len(orjson.dumps(ANSWER))
     assert by_entries.stats["stored"] == by_bytes.stats["stored"] == 2000
 
@@ -78,8 +79,8 @@ async def test_stream_replays_are_counted_and_still_bounded() -> None:
         assert b"data: [DONE]" in await hit(plugin, f"prompt {i}", include_usage=False)
         assert b'"usage":{' in await hit(plugin, f"prompt {i}", include_usage=True)
     entries = list(plugin.l1.values())
-    assert all(len(entry.streams) == 2 for entry in entries)
-    assert plugin.l1.currsize == accounted(plugin) <= 400_000
+    assert all(entry.streams is not None and len(entry.streams) == 2 for entry in entries)
+    assert plugin.l1.bytes == accounted(plugin) <= 400_000
     assert all(entry.size > 3 * len(entry.json) for entry in entries)
 
 
@@ -100,4 +101,28 @@ def test_an_entry_holds_no_more_than_l1_accounts_for_it() -> None:
     # What the entries took beyond their bytes, plus their keys (made per request, then kept by L1).
     overhead = held / count + sys.getsizeof(keys[0])
     assert overhead <= ENTRY_OVERHEAD
-    assert plugin.l1.currsize == count * (len(data) + ENTRY_OVERHEAD)
+    assert plugin.l1.bytes == count * (len(data) + ENTRY_OVERHEAD)
+
+
+class Sized:
+    def __init__(self, size: int, expires: float) -> None:
+        self.size, self.expires = size, expires
+
+
+def test_l1_evicts_the_least_recently_used_and_drops_expired_entries() -> None:
+    l1: L1[Sized] = L1(max_entries=3, max_bytes=100)
+    later = time.time() + 60
+    for key in "abc":
+        l1.put(key, Sized(10, later))
+    assert l1.get("a") is not None  # a is now the most recently used: b goes first
+    l1.put("d", Sized(10, later))
+    assert list(l1.entries) == ["c", "a", "d"] and l1.bytes == 30
+    l1.put("e", Sized(75, later))  # over the bytes: c, the oldest, goes
+    assert list(l1.entries) == ["a", "d", "e"] and l1.bytes == 95
+    l1.put("d", Sized(20, later))  # stored again, grown: counted anew, and a goes to make room
+    assert list(l1.entries) == ["e", "d"] and l1.bytes == 95
+    l1.put("x", Sized(101, later))  # larger than the whole level: not kept
+    assert "x" not in l1.entries and l1.bytes == 95
+    l1.put("old", Sized(5, time.time() - 1))
+    assert l1.bytes == 100
+    assert l1.get("old") is None and list(l1.entries) == ["e", "d"] and l1.bytes == 95  # expired: dropped

@@ -6,7 +6,7 @@
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
     5 body      the relay (streaming.py), or the whole body / the plugin's reply
-    6 complete  plugins' on_complete, scheduled after the last byte: never delays the client
+    6 complete  plugins' on_complete, after the last byte: never delays the client
 
 A rejection and a plugin's reply go through steps 4 to 6 like an upstream answer, so headers and
 accounting look the same on every path. A client that disconnects cancels whatever is in flight: the
@@ -111,13 +111,16 @@ class Pipeline:
                 watcher.add_done_callback(client_left)
 
         timer = loop.call_later(WATCH_AFTER_S, watch)
+        ended = False  # the response went out, or the client left: not cancelled from outside, no bug
         try:
             await self._respond(ex, send, outcome)
+            ended = True
         except asyncio.CancelledError:
             if not outcome.client_gone:
                 raise
             task.uncancel()
             outcome.error = outcome.error or "client disconnected"
+            ended = True
         finally:
             done = True
             timer.cancel()
@@ -126,13 +129,21 @@ class Pipeline:
             if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
                 outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
-            # must still release the requests following it).
-            if self.on_complete:
+            # must still release the requests following it): in a task of its own if this one is being
+            # cancelled, where it could not finish.
+            if not ended and self.on_complete:
                 job = loop.create_task(self._complete(ex, outcome))
                 self._background.add(job)
                 job.add_done_callback(self._background.discard)
-            elif self.telemetry is not None:
-                loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
+            elif not ended and self.telemetry is not None:
+                loop.call_soon(self._record, ex, outcome)
+        # The last byte has gone: the rest runs in this request's own task, which costs nothing the client
+        # waits for (uvicorn serves the connection's next request in a task of its own once this response is
+        # complete) and saves a task per request, which cost more than most plugins' completion work.
+        if self.on_complete:
+            await self._complete(ex, outcome)
+        elif self.telemetry is not None:
+            self._record(ex, outcome)
 
     async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
         reply: Reply | None = None

@@ -132,14 +132,14 @@ def test_tokens_reservation_and_usage_refund(redis_server: RedisServer, http: ht
         time.sleep(0.2)
         assert chat(http, gw, max_tokens=1000).status_code == 200  # would not fit had the stream kept 1500
         time.sleep(0.2)
-        # A reservation that does not fit in what is left is refused.
+        # A reservation larger than the bucket waits for a full one: refused while tokens are still in use.
         with pytest.raises(openai.RateLimitError) as caught:
-            sdk(gw).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1990)  # type: ignore[arg-type]
+            sdk(gw).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1995)  # type: ignore[arg-type]
         assert caught.value.code == "rate_limit_exceeded"
         assert caught.value.type == "tokens"
         assert "on tokens per min (TPM): Limit 2000" in str(caught.value)
         headers = caught.value.response.headers
-        assert int(headers["x-ratelimit-remaining-tokens"]) < 1990
+        assert int(headers["x-ratelimit-remaining-tokens"]) < 2000
         assert int(headers["retry-after"]) >= 1
         # A small request still fits: the refusal took nothing.
         assert chat(http, gw, max_tokens=5).status_code == 200

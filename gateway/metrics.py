@@ -19,6 +19,7 @@ and shown to scrapers that ask for OpenMetrics; the multiprocess files have no p
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,7 +46,10 @@ OVERHEAD_BUCKETS = (
 )  # fmt: skip
 LABELS = ("tenant", "model", "served_model", "backend", "stream", "cache")
 OTHER_TENANT = "other"
-CLIENT_CLOSED = "499"  # the client left before the response head: no status was ever sent
+CLIENT_CLOSED = "499"
+# How stale the series read from elsewhere (SLO states, Redis failures) may be between scrapes; a scrape of
+# this process syncs them first. Other workers' scrapes read this process's files: they lag by at most this.
+SYNC_INTERVAL_S = 0.25  # the client left before the response head: no status was ever sent
 
 
 class SloSource(Protocol):
@@ -95,6 +99,14 @@ class Series:
         child = self.children.get(status)
         if child is None:
             child = self.children[status] = self.metrics.requests.labels(*self.labels, status)
+        child.inc()
+
+    def cache_result(self) -> None:
+        """One lookup counted by its result: the series' own cache label (never "none" here)."""
+        child = self.children.get("cache")
+        if child is None:
+            labels = self.labels
+            child = self.children["cache"] = self.metrics.cache.labels(labels[0], labels[1], labels[5])
         child.inc()
 
     def tokens(self, direction: str, count: int) -> None:
@@ -209,6 +221,7 @@ class Metrics:
         self.slo_seen: dict[str, str] = {}
         self.store = store
         self.store_seen = 0
+        self.synced_at = 0.0  # time.monotonic() of the last sync from the request path
         self.span_counters: dict[str, Any] = {}
 
     # -- the request path ---------------------------------------------------------------------------------
@@ -256,12 +269,15 @@ class Metrics:
                 if isinstance(tokens, int) and tokens > 0:
                     series.tokens(direction, tokens)
         if cache != "none":
-            self.cache.labels(tenant, ex.model, cache).inc()
+            series.cache_result()
         if ex.fallback is not None:
             self.fallbacks.labels(ex.model, labels[2], ex.fallback).inc()
         if outcome.status == 429 and not ex.attempts and outcome.source == "error":
             self.rate_limited.labels(tenant, ex.model).inc()
-        self.sync()
+        now = time.monotonic()
+        if now - self.synced_at >= SYNC_INTERVAL_S:  # reading the SLO states costs more than the rest
+            self.synced_at = now
+            self.sync()
 
     def count_spans(self, result: str, count: int) -> None:
         """Called from the export thread too: prometheus_client's values are locked."""

@@ -54,8 +54,8 @@ def request_body(ex: Exchange, model: str | None, usage: bool) -> bytes:
         return ex.body
     if model is None and "stream_options" not in ex.json:
         # The common case, a plain stream: one field in front of the others, no re-serialisation.
-        body = ex.body.lstrip()
-        return STREAM_OPTIONS + body[1:]
+        body = ex.body if ex.body[:1] == b"{" else ex.body.lstrip()
+        return STREAM_OPTIONS + memoryview(body)[1:]  # one copy, however large the prompt
     # The parsed JSON is shared with the plugins, so copy it.
     data = {**ex.json}
     if model is not None:

@@ -8,7 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway import request
 from gateway.plugin import Outcome
+from gateway.providers.http import request_body
 from gateway.streaming import COUNT, HIDE, PASS, relay_stream
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
@@ -131,3 +133,25 @@ async def test_a_stream_cut_short_keeps_no_half_event_before_the_error() -> None
     assert not outcome.complete and outcome.error is not None
     assert client.startswith(b"".join(stream(usage=False)[:3]))
     assert b'data: {"error"' in client and events[3][:10] not in client[-200:]
+
+
+def body_sent(fields: dict[str, Any], model: str | None = None, usage: bool = True) -> dict[str, Any]:
+    ex = request.parse("chat/completions", [], orjson.dumps(fields), 0.0, "rid")
+    sent = request_body(ex, model, usage)
+    if sent is ex.body:
+        return {"unchanged": True}
+    parsed: dict[str, Any] = orjson.loads(sent)
+    return parsed
+
+
+def test_streams_are_asked_for_usage_once_and_nothing_else_changes() -> None:
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    stream = {**base, "stream": True}
+    assert body_sent(stream) == {**stream, "stream_options": {"include_usage": True}}
+    kept = {**stream, "stream_options": {"include_obfuscation": False}}
+    assert body_sent(kept) == {**stream, "stream_options": {"include_obfuscation": False, "include_usage": True}}
+    assert body_sent(stream, model="up") == {**stream, "model": "up", "stream_options": {"include_usage": True}}
+    assert body_sent({**stream, "stream_options": {"include_usage": True}}) == {"unchanged": True}
+    assert body_sent(base) == {"unchanged": True}
+    assert body_sent(stream, usage=False) == {"unchanged": True}
+    assert body_sent(base, model="up") == {**base, "model": "up"}

@@ -25,6 +25,12 @@ REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
 }
 
 
+# The deepest nesting of arrays and objects accepted in a request body. Real requests stay under ten levels
+# (a tool's JSON schema is the deepest part); orjson reads 1,024 levels but writes only 254, and the body is
+# written again whenever it changes (a renamed model, the cache key), so depth is checked before any stage.
+MAX_DEPTH = 128
+
+
 class ClientGone(Exception):
     """The client disconnected before its request body had arrived."""
 
@@ -91,6 +97,19 @@ def decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     return data
 
 
+def too_deep(data: dict[str, Any], limit: int) -> bool:
+    """Whether arrays and objects in `data` nest more than `limit` levels (walking containers only)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
 def parse(
     endpoint: str,
     headers: list[tuple[bytes, bytes]],
@@ -105,6 +124,9 @@ def parse(
         raise errors.BadRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise errors.BadRequestError("request body must be a JSON object")
+    # A body with fewer brackets than the limit cannot nest deeper: one C-speed count settles most requests.
+    if body.count(b"{") + body.count(b"[") > MAX_DEPTH and too_deep(data, MAX_DEPTH):
+        raise errors.BadRequestError(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels")
     if path_model is not None and data.get("model") != path_model:
         # Azure-style paths name the deployment; the body's model (often absent) follows it.
         data["model"] = path_model

@@ -16,8 +16,10 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from gateway.health import Health
 from gateway.http2 import Http2Client
-from gateway.pool import Pool, PoolError, PoolLimits
+from gateway.pool import ConnectError, Pool, PoolError, PoolLimits
+from gateway.settings import ConfigError
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
@@ -28,15 +30,21 @@ log = logging.getLogger("sluice.upstream")
 
 MAINTAIN_INTERVAL_S = 5.0
 STREAM_OPTIONS = b'{"stream_options":{"include_usage":true},'
+RETRY_FIRST_S = 1.0  # a backend that is down is retried after this, then twice as long each time...
+RETRY_MAX_S = 30.0  # ...up to this
 
 
 def header_lines(headers: dict[str, str]) -> bytes:
     return b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items())
 
 
-def tls_context(backend: RemoteBackend) -> ssl.SSLContext:
+def tls_context(name: str, backend: RemoteBackend) -> ssl.SSLContext:
     """Built once per backend: the handshake is paid at warm-up, the context's set-up never again."""
-    context = ssl.create_default_context(cafile=backend.tls.ca_file)
+    try:
+        context = ssl.create_default_context(cafile=backend.tls.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"backends.{name}.tls.ca_file: cannot load {backend.tls.ca_file}: {reason}") from None
     if not backend.tls.verify:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
@@ -91,12 +99,12 @@ class HttpProvider:
         static.update(self.auth_headers(backend.api_key))
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
-        self.ssl = tls_context(backend) if self.url.startswith("https://") else None
+        self.ssl = tls_context(name, backend) if self.url.startswith("https://") else None
         self.http2 = pool.http2
         self.pool: Pool | None = None
         self.client: Pool | Http2Client | None = None
         self._maintainer: asyncio.Task[None] | None = None
-        self._ready = False
+        self.health = Health(name)
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         return {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -116,26 +124,50 @@ class HttpProvider:
         try:
             warm = await self.client.warm() if self.limits.warm else 0
         except PoolError as exc:
-            warm = 0
-            log.warning("backend %s: warm-up failed: %s", self.name, exc)
-        self._ready = warm >= min(self.limits.warm, 1) or self.limits.warm == 0
-        if self._ready:
-            log.info("backend %s: %d warm connection(s) to %s", self.name, warm, self.url)
-        if self.pool is not None:
-            self._maintainer = asyncio.get_running_loop().create_task(self.pool.maintain(MAINTAIN_INTERVAL_S))
+            self.health.mark_down(str(exc))
+        else:
+            self.health.mark_up(warm)
+        self._maintainer = asyncio.get_running_loop().create_task(self._maintain())
 
     @property
     def ready(self) -> bool:
-        # Ready once warm; a backend that was down at start-up becomes ready when the keep-warm loop connects.
-        return self._ready or (self.pool is not None and self.pool.size > 0)
+        return self.health.state != "warming"
+
+    async def _maintain(self) -> None:
+        """Keep `pool.warm_connections` open; retry a backend that is down, with back-off."""
+        retry = RETRY_FIRST_S
+        while True:
+            await asyncio.sleep(retry if self.health.down else MAINTAIN_INTERVAL_S)
+            if self.pool is not None:
+                self.pool.expire()
+                # A backend that is down is probed with one connection even when none is kept warm.
+                count = max(self.limits.warm, 1) if self.health.down else None
+                probe = self.pool.warm(count)
+            elif self.health.down and self.client is not None:
+                probe = self.client.warm()  # HTTP/2: one cheap request
+            else:
+                continue
+            try:
+                warm = await probe
+            except PoolError as exc:
+                self.health.mark_down(str(exc))
+                retry = min(retry * 2.0, RETRY_MAX_S)
+            else:
+                self.health.mark_up(warm)
+                retry = RETRY_FIRST_S
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         assert self.client is not None, "provider not started"
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
-        response = await self.client.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
-        self._ready = True
+        try:
+            response = await self.client.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
+        except ConnectError as exc:
+            self.health.mark_down(str(exc))
+            raise
+        if self.health.down:
+            self.health.mark_up()
         return response
 
     async def aclose(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, ClassVar
 
+from gateway.health import Health
 from gateway.pool import ResponseClosed, read_all
 from gateway.simulation import Profile, Reply, simulate
 
@@ -94,11 +95,12 @@ class SimulatedProvider:
     system: ClassVar[str] = "openai"
     reports_usage = True
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, name: str = "simulated") -> None:
         self.profile = profile
+        self.health = Health(name)
 
     async def start(self) -> None:
-        return None
+        self.health.mark_up()  # in-process: nothing to connect to
 
     @property
     def ready(self) -> bool:

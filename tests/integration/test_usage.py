@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.tools.keys import new_key
+from plugins.auth.keys import new_key
 from tests.integration.test_telemetry import OtlpReceiver, metric, scrape
 from tests.support.gateway import RunningGateway, free_port, gateway_thread, wait_ready
 from tests.support.upstream import Ok, ScriptedUpstream

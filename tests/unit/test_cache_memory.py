@@ -9,10 +9,11 @@ import tracemalloc
 import orjson
 
 from gateway import request
+from gateway.config import parse
 from gateway.plugin import Outcome, ResponseHead
-from gateway.settings import parse
 from plugins.cache import ENTRY_OVERHEAD, Cache, Entry
 from plugins.cache_l1 import L1
+from tests.support.plugins import make
 
 ANSWER = {
     "id": "chatcmpl-1",
@@ -31,7 +32,7 @@ models: {{m: {{backend: s}}}}
 cache: {{mode: always, l1_entries: {entries}, l1_bytes: {size}}}
 plugins: [cache]
 """
-    return Cache(parse(yaml, "<test>"))
+    return make(Cache, parse(yaml, "<test>"))
 
 
 async def fill(plugin: Cache, prompt: str, stream: bool = False) -> None:

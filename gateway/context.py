@@ -37,6 +37,7 @@ class Exchange:
         "headers",
         "hedge_after_ms",
         "hedged",
+        "include_usage",
         "json",
         "labels",
         "model",
@@ -72,6 +73,9 @@ class Exchange:
         self.started = started  # perf_counter() when the request arrived
         self.model: str = json["model"]
         self.stream: bool = bool(json.get("stream", False))
+        # What the client asked of a stream; upstreams are asked for usage either way (see streaming.py).
+        options = json.get("stream_options") if self.stream else None
+        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.tenant = "anonymous"
         self.targets: list[Target] = []
         self.served: Target | None = None

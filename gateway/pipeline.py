@@ -6,7 +6,7 @@
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
     5 body      the relay (streaming.py), or the whole body / the plugin's reply
-    6 complete  plugins' on_complete, scheduled after the last byte: never delays the client
+    6 complete  plugins' on_complete, after the last byte: never delays the client
 
 A rejection and a plugin's reply go through steps 4 to 6 like an upstream answer, so headers and
 accounting look the same on every path. A client that disconnects cancels whatever is in flight: the
@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream
+from gateway.streaming import find_usage, relay_stream, usage_mode
 from gateway.telemetry import server_timing
 from gateway.upstream import Opened
 
@@ -116,20 +116,22 @@ class Pipeline:
                 watcher.add_done_callback(client_left)
 
         timer = loop.call_later(WATCH_AFTER_S, watch)
+        ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1
         try:
             await self._respond(ex, send, outcome)
+            ended = True
         except asyncio.CancelledError:
             task.uncancel()
             if outcome.client_gone:
                 outcome.error = outcome.error or "client disconnected"
+                ended = True
             else:
                 # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
                 # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
                 done = True  # a client leaving now must not cancel the last words
                 await self._cut(ex, send, outcome)
         finally:
-            self.inflight -= 1
             done = True
             timer.cancel()
             if watcher is not None:
@@ -137,13 +139,26 @@ class Pipeline:
             if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
                 outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
-            # must still release the requests following it).
+            # must still release the requests following it): in a task of its own after a cut or a bug.
+            if not ended:
+                self.inflight -= 1
+                if self.on_complete:
+                    job = loop.create_task(self._complete(ex, outcome))
+                    self._background.add(job)
+                    job.add_done_callback(self._background.discard)
+                elif self.telemetry is not None or self.access is not None:
+                    loop.call_soon(self._record, ex, outcome)
+        # The last byte has gone: the rest runs in this request's own task, which costs nothing the client
+        # waits for (uvicorn serves the connection's next request in a task of its own once this response is
+        # complete) and saves a task per request, which cost more than most plugins' completion work. The
+        # request counts as in flight until it is done, so that a drain waits for it.
+        try:
             if self.on_complete:
-                job = loop.create_task(self._complete(ex, outcome))
-                self._background.add(job)
-                job.add_done_callback(self._background.discard)
+                await self._complete(ex, outcome)
             elif self.telemetry is not None or self.access is not None:
-                loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
+                self._record(ex, outcome)
+        finally:
+            self.inflight -= 1
 
     async def _cut(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
         self.cut += 1
@@ -273,7 +288,9 @@ class Pipeline:
             return
         try:
             await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
-            await relay_stream(send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at)
+            assert ex.served is not None
+            mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
+            await relay_stream(send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode)
         finally:
             answer.response.close()
 

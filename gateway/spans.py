@@ -193,6 +193,7 @@ class Layout:
                 value = usage.get(field)
                 if isinstance(value, int):
                     attributes[name] = value
+            attributes["sluice.usage_source"] = outcome.usage_source
         if outcome.ttft_ms is not None and ex.stream:
             attributes["gen_ai.response.time_to_first_chunk"] = max(outcome.ttft_ms - start, 0.0) / 1000.0
         error = error_type(outcome)

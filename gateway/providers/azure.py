@@ -9,11 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 from urllib.parse import quote
 
-from gateway.providers.http import HttpProvider
+from gateway.providers.http import HttpProvider, request_body
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
     from gateway.settings import AzureBackend, PoolSettings
+
+
+USAGE_SINCE = "2024-09-01"
 
 
 class AzureProvider(HttpProvider):
@@ -27,6 +30,8 @@ class AzureProvider(HttpProvider):
         self.prefix = f"{root}/openai/v1/" if self.v1 else f"{root}/openai/deployments/"
         self.query = "" if self.v1 else f"?api-version={quote(backend.api_version)}"
         self._paths: dict[tuple[str, str], bytes] = {}
+        # Dated versions before 2024-09-01 reject `stream_options`: their streams' tokens are estimated.
+        self.reports_usage = self.v1 or backend.api_version[:10] >= USAGE_SINCE
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         return {"api-key": api_key} if api_key else {}
@@ -44,4 +49,4 @@ class AzureProvider(HttpProvider):
 
     def body(self, ex: Exchange, target: Target) -> bytes:
         # The deployment path selects the model; only the v1 form reads the body's model.
-        return super().body(ex, target) if self.v1 else ex.body
+        return super().body(ex, target) if self.v1 else request_body(ex, None, self.reports_usage)

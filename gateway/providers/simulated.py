@@ -93,6 +93,7 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 class SimulatedProvider:
     kind: ClassVar[str] = "simulated"
     system: ClassVar[str] = "openai"
+    reports_usage = True
 
     def __init__(self, profile: Profile, name: str = "simulated") -> None:
         self.profile = profile
@@ -107,7 +108,8 @@ class SimulatedProvider:
 
     async def send(self, ex: Exchange, target: Target) -> SimulatedResponse:
         """Script the answer; the head is ready at once, the pieces come from `next_chunk()` when due."""
-        reply = simulate(ex.endpoint, ex.json, target.upstream_model, self.profile)
+        # Streams report usage as an upstream asked for it does: the relay hides it if the client did not ask.
+        reply = simulate(ex.endpoint, ex.json, target.upstream_model, self.profile, usage=True)
         return SimulatedResponse(reply, ex.request_id)
 
     async def aclose(self) -> None:

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.pipeline import send_error
+from gateway.responses import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
 from gateway.settings import Settings, load
 
@@ -27,10 +28,12 @@ ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
     # The same paths without /v1, as some clients are configured with the bare host as base URL.
     "/chat/completions": "chat/completions",
     "/completions": "completions",
     "/embeddings": "embeddings",
+    "/responses": "responses",
 }
 AZURE_PREFIX = "/openai/deployments/"
 # How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools, no access log, and
@@ -80,6 +83,13 @@ class Gateway:
                     await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
                 else:
                     await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
+                return
+            if path.startswith(RESPONSE_PREFIXES):
+                runtime = self.runtime
+                if runtime is None:
+                    await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
+                else:
+                    await runtime.responses.handle(scope, receive, send, path.partition("/responses/")[2])
                 return
         await self.site(scope, receive, send)
 

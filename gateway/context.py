@@ -36,10 +36,12 @@ class Exchange:
         "hedge_after_ms",
         "hedged",
         "json",
+        "method",
         "model",
         "overhead_ms",
         "pool_ms",
         "request_id",
+        "resource",
         "served",
         "started",
         "state",
@@ -61,7 +63,11 @@ class Exchange:
         started: float,
     ) -> None:
         self.request_id = request_id
-        self.endpoint = endpoint  # "chat/completions", "completions" or "embeddings"
+        self.endpoint = endpoint  # "chat/completions", "completions", "embeddings" or "responses"
+        self.method = b"POST"
+        # A stored object's path below the endpoint ("/resp_1/cancel", "/resp_1?stream=true"), empty when
+        # the request makes something new: it reads or changes what an earlier request made.
+        self.resource = ""
         self.headers = headers  # as the client sent them, names lower-cased
         self.body = body  # the raw request body, forwarded as is when nothing must change
         self.json = json  # the body parsed once

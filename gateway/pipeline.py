@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream
+from gateway.streaming import find_usage, relay_stream, stream_rules
 from gateway.telemetry import server_timing
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class Pipeline:
         self.on_response = hooks(plugins, "on_response")
         self.on_complete = hooks(plugins, "on_complete")
         self._background: set[asyncio.Task[None]] = set()
+        # Set by the runtime: may replace `ex.targets` once they are known (Responses: only the backends that
+        # have the API; background requests: the gateway's own runner), or reject the request.
+        self.route: Callable[[Exchange], None] | None = None
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
@@ -77,6 +81,16 @@ class Pipeline:
             await self._reject(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
             return
         ex.targets = list(chain)
+        if self.route is not None:
+            try:
+                self.route(ex)
+            except errors.GatewayError as exc:
+                await self._reject(send, exc, rid)
+                return
+        await self.serve(ex, receive, send)
+
+    async def serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
+        """Steps 2 to 6 for an Exchange whose targets are set (also for requests parsed elsewhere)."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
@@ -125,6 +139,8 @@ class Pipeline:
                 watcher.cancel()
             if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
                 outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
+            if ex.resource:
+                outcome.usage = None  # a stored response's tokens were counted when it was made
             # Plugins hear of every request that reached them, however it ended (a leader that fails
             # must still release the requests following it).
             if self.on_complete:
@@ -206,7 +222,14 @@ class Pipeline:
             try:
                 await send({"type": "http.response.start", "status": status, "headers": head.headers})
                 await relay_stream(
-                    send, opened.response, opened.first, outcome, tuple(taps), ex.started, opened.token_at
+                    send,
+                    opened.response,
+                    opened.first,
+                    outcome,
+                    tuple(taps),
+                    ex.started,
+                    opened.token_at,
+                    stream_rules(ex.endpoint),
                 )
             finally:
                 opened.response.close()

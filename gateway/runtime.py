@@ -6,6 +6,7 @@ import logging
 
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
+from gateway.responses import Responses
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.telemetry import Telemetry
@@ -23,6 +24,8 @@ class Runtime:
         self.plugins: list[Plugin] = [load_class(name)(settings) for name in settings.plugins]
         self.telemetry = Telemetry(settings, self.plugins, self.store)
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
+        self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
+        self.pipeline.route = self.responses.route
         self.started = False
 
     async def start(self) -> None:
@@ -42,6 +45,7 @@ class Runtime:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.responses.aclose()
         await self.upstreams.aclose()
         if self.store is not None:
             await self.store.aclose()

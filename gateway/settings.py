@@ -55,6 +55,7 @@ class TlsSettings(Strict):
 class RemoteBackend(Strict):
     base_url: str
     api_key: str = ""
+    responses_api: bool = True  # false for a server with chat completions only (an older vLLM)
     tls: TlsSettings = TlsSettings()
     headers: dict[str, str] = {}  # sent upstream on every request, e.g. OpenAI-Organization
     timeouts: Timeouts = Timeouts()
@@ -82,6 +83,7 @@ class AzureBackend(RemoteBackend):
 
 class SimulatedBackend(Strict):
     type: Literal["simulated"]
+    responses_api: bool = True
     ttft_ms: float = Field(150.0, ge=0)
     tpot_ms: float = Field(15.0, ge=0)
     tokens: int = Field(16, ge=1)
@@ -185,6 +187,19 @@ class LimitSettings(Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
 
+class ResponsesSettings(Strict):
+    default_model: str | None = None  # serves retrievals of response ids the gateway did not see created
+    index_ttl_s: float = Field(30 * 86400.0, gt=0)  # how long the gateway remembers who created a response
+
+
+class BackgroundSettings(Strict):
+    max_inflight_per_tenant: int = Field(16, ge=1)
+    ttl_s: float = Field(86400.0, gt=0)  # how long a finished background response can be polled and resumed
+    max_events: int = Field(10000, ge=16)  # events kept per response for resuming (approximately)
+    max_seconds: float = Field(3600.0, gt=0)  # a gateway-run job still going after this is cancelled
+    lease_s: float = Field(10.0, ge=1)  # an owner silent this long is taken as dead: its jobs fail
+
+
 class Settings(Strict):
     listen: Listen = Listen()
     backends: dict[str, Backend]
@@ -197,6 +212,8 @@ class Settings(Strict):
     cache: CacheSettings = CacheSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     limits: LimitSettings = LimitSettings()
+    responses: ResponsesSettings = ResponsesSettings()
+    background: BackgroundSettings = BackgroundSettings()
     plugins: list[str] = []
 
     @model_validator(mode="after")
@@ -215,6 +232,9 @@ class Settings(Strict):
                     raise ValueError(f"models.{name}.fallback: a model cannot fall back to itself")
         if not self.models:
             raise ValueError("models: at least one model is needed")
+        default = self.responses.default_model
+        if default is not None and default not in self.models:
+            raise ValueError(f"responses.default_model: no model named {default!r}")
         return self
 
 

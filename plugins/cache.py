@@ -322,7 +322,10 @@ class Cache:
             return None
         if not isinstance(answer, dict) or "error" in answer:
             return None
-        if ex.endpoint != "embeddings" and not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
+        if ex.endpoint == "responses":
+            if answer.get("status") != "completed":
+                return None
+        elif ex.endpoint != "embeddings" and not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
             return None
         served = ex.served.model if ex.served is not None else ex.model
         entry = _entry(ex.endpoint, served, answer, time.time() + ttl_s, self.stale_s)
@@ -363,6 +366,8 @@ def _deterministic(ex: Exchange) -> bool:
     if ex.endpoint == "embeddings":
         return True
     body = ex.json
+    if ex.resource or body.get("background"):
+        return False  # a stored response changes (cancel, delete); a background one is polled, not replayed
     temperature = body.get("temperature")
     seed = body.get("seed")
     return temperature == 0 or (isinstance(seed, int) and not isinstance(seed, bool))

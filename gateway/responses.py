@@ -1,0 +1,293 @@
+"""The Responses API: `POST /v1/responses` through the pipeline, and the operations on a stored response.
+
+Creating a response is an ordinary request (endpoint "responses"): auth, rate limits, cache, SLO fallback
+and telemetry apply as for chat completions. Two things differ, both decided here:
+
+- Targets: only backends with the Responses API serve it (`responses_api`, true by default for every kind).
+  A fallback on a chat-only backend is dropped from the chain, and a model whose every target is chat-only
+  is refused with a 400: a Responses request is never translated to chat completions behind the client's
+  back (its stored state, tools and event stream have no faithful equivalent there).
+- Ownership: the id of every response the gateway sees created is remembered with its tenant and model
+  (`ResponseIndex`, in Redis when configured, else in process). `GET/DELETE /v1/responses/{id}`,
+  `POST .../cancel` and `GET .../input_items` go to that model's backend, and only for that tenant (anyone
+  else gets a 404, as for an id that does not exist). An id the gateway did not see created goes to
+  `responses.default_model` (else the first model whose backend has the API).
+
+The operations on a stored response run through the pipeline too (`Exchange.resource` set, no body), so
+auth, headers, metrics and spans look the same; the stored response's usage is not counted again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway import errors, request
+from gateway.context import Exchange, Target
+from gateway.store import StoreUnavailable
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
+    from gateway.pipeline import Pipeline
+    from gateway.providers.base import Provider, UpstreamResponse
+    from gateway.settings import Settings
+    from gateway.store import Store
+    from gateway.upstream import Upstreams
+
+log = logging.getLogger("sluice.responses")
+
+PREFIXES = ("/v1/responses/", "/responses/", "/openai/v1/responses/")
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# The response's own id: the first `"id": "resp_..."` of a body or stream (item ids have other prefixes,
+# and `"previous_response_id"` does not match because of the quote before `id`).
+CREATED_ID = re.compile(rb'"id":\s*"(resp_[A-Za-z0-9_-]{1,128})"')
+INDEX_ENTRIES = 100_000  # in-process entries, newest kept
+
+
+def index_key(ident: str) -> str:
+    # Hash-tagged by the id, like every key of one response, so that they share a Redis Cluster slot.
+    return f"sluice:resp:{{{ident}}}:owner"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    tenant: str
+    model: str
+
+
+class ResponseIndex:
+    """Which tenant and model created a response id."""
+
+    def __init__(self, store: Store | None, ttl_s: float) -> None:
+        self.store = store
+        self.ttl_ms = int(ttl_s * 1000)
+        self.local: OrderedDict[str, Owner] = OrderedDict()
+        self._writes: set[asyncio.Task[None]] = set()
+
+    def note(self, ident: str, owner: Owner) -> None:
+        """Remember `ident` now in process, and in Redis in the background."""
+        self.local[ident] = owner
+        if len(self.local) > INDEX_ENTRIES:
+            self.local.popitem(last=False)
+        if self.store is not None:
+            task = asyncio.get_running_loop().create_task(self._write(ident, owner))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _write(self, ident: str, owner: Owner) -> None:
+        assert self.store is not None
+        record = orjson.dumps({"tenant": owner.tenant, "model": owner.model})
+        try:
+            await self.store.execute("SET", index_key(ident), record, "PX", self.ttl_ms)
+        except StoreUnavailable:
+            log.info("response %s: not indexed in redis (unavailable); known to this process only", ident)
+
+    async def lookup(self, ident: str) -> Owner | None:
+        found = self.local.get(ident)
+        if found is not None or self.store is None:
+            return found
+        try:
+            raw = await self.store.execute("GET", index_key(ident))
+        except StoreUnavailable:
+            return None
+        if raw is None:
+            return None
+        try:
+            record = orjson.loads(raw)
+            return Owner(str(record["tenant"]), str(record["model"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return None
+
+    async def forget(self, ident: str) -> None:
+        self.local.pop(ident, None)
+        if self.store is not None:
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.execute("DEL", index_key(ident))
+
+    async def aclose(self) -> None:
+        for task in list(self._writes):
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class Noted:
+    """An upstream response whose first chunk is searched for the created response's id, once."""
+
+    __slots__ = ("_found", "_inner", "_note", "acquire_ms", "headers", "status")
+
+    def __init__(self, inner: UpstreamResponse, note: Any) -> None:
+        self._inner = inner
+        self._note = note
+        self._found = False
+        self.status = inner.status
+        self.headers = inner.headers
+        self.acquire_ms = inner.acquire_ms
+
+    @property
+    def complete(self) -> bool:
+        return self._inner.complete
+
+    @complete.setter
+    def complete(self, value: bool) -> None:
+        self._inner.complete = value
+
+    def _look(self, data: bytes) -> None:
+        found = CREATED_ID.search(data)
+        if found is not None:
+            self._found = True
+            self._note(found.group(1).decode())
+
+    async def next_chunk(self) -> bytes:
+        chunk = await self._inner.next_chunk()
+        if not self._found:
+            self._look(chunk)
+        return chunk
+
+    async def read(self) -> bytes:
+        body = await self._inner.read()
+        self._look(body[:4096])
+        return body
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class Indexing:
+    """A provider seen through the Responses API: created ids are noted with the tenant and model."""
+
+    def __init__(self, inner: Provider, index: ResponseIndex) -> None:
+        self.inner = inner
+        self.index = index
+        self.kind = inner.kind
+        self.system = inner.system
+        self.url = getattr(inner, "url", None)  # read by tracing for the server address
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        response = await self.inner.send(ex, target)
+        if response.status >= 400:
+            return response
+        owner = Owner(ex.tenant, target.model)
+        return Noted(response, lambda ident: self.index.note(ident, owner))
+
+
+class Owned:
+    """A stored response's backend, for the tenant that created it only; a DELETE forgets it."""
+
+    def __init__(self, inner: Provider, index: ResponseIndex, ident: str, owner: Owner | None) -> None:
+        self.inner = inner
+        self.index = index
+        self.ident = ident
+        self.owner = owner
+        self.kind = inner.kind
+        self.system = inner.system
+        self.url = getattr(inner, "url", None)
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        if self.owner is not None and self.owner.tenant != ex.tenant:
+            raise not_found(self.ident)
+        response = await self.inner.send(ex, target)
+        if ex.method == b"DELETE" and response.status == 200:
+            await self.index.forget(self.ident)
+        return response
+
+
+def not_found(ident: str) -> errors.NotFoundError:
+    return errors.NotFoundError(f"Response with id '{ident}' not found.", param="response_id", code=None)
+
+
+class Responses:
+    """Routing for POST /v1/responses and the handler of the stored-response paths; built at start-up."""
+
+    def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, store: Store | None) -> None:
+        self.settings = settings
+        self.upstreams = upstreams
+        self.pipeline = pipeline
+        self.index = ResponseIndex(store, settings.responses.index_ttl_s)
+        self.max_body = settings.limits.max_body_bytes
+        capable = {name for name, backend in settings.backends.items() if backend.responses_api}
+        self.wrapped = {name: Indexing(upstreams.providers[name], self.index) for name in capable}
+        # Each model's chain for the Responses API, once: the capable targets, seen through Indexing.
+        self.chains: dict[str, tuple[Target, ...]] = {}
+        self.refusals: dict[str, errors.GatewayError] = {}
+        for model, chain in upstreams.chains.items():
+            kept = tuple(_rewrap(t, self.wrapped[t.backend]) for t in chain if t.backend in capable)
+            if kept:
+                self.chains[model] = kept
+                dropped = [t.model for t in chain if t.backend not in capable]
+                if dropped:
+                    log.info("model %s: fallback(s) %s not used for the Responses API", model, ", ".join(dropped))
+            else:
+                backend = chain[0].backend
+                self.refusals[model] = errors.BadRequestError(
+                    f"model {model!r} is served by backend {backend!r}, which has no Responses API "
+                    "(responses_api: false); use /v1/chat/completions for it",
+                    param="model",
+                    code="responses_unsupported",
+                )
+        default = settings.responses.default_model
+        self.default_model = default if default is not None else next(iter(self.chains), None)
+
+    def route(self, ex: Exchange) -> None:
+        """The pipeline's routing step: Responses requests get the Responses chain of their model."""
+        if ex.endpoint != "responses":
+            return
+        refusal = self.refusals.get(ex.model)
+        if refusal is not None:
+            raise refusal
+        ex.targets = list(self.chains[ex.model])
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
+        """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items."""
+        started = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        rid = request.request_id(headers)
+        ident, _, operation = rest.partition("/")
+        method: str = scope["method"]
+        allowed = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}.get(operation)
+        from gateway.pipeline import send_error  # the pipeline imports nothing of this module: no cycle
+
+        if allowed is None or not RESPONSE_ID.fullmatch(ident):
+            await send_error(send, errors.NotFoundError("unknown URL", code="unknown_url"), rid)
+            return
+        if method not in allowed:
+            error = errors.MethodNotAllowedError(f"{method} is not allowed here")
+            error.headers = [(b"allow", ", ".join(allowed).encode())]
+            await send_error(send, error, rid)
+            return
+        try:
+            await request.read_body(receive, headers, self.max_body)  # nothing is expected, but read it off
+        except request.ClientGone:
+            return
+        except errors.GatewayError as exc:
+            await send_error(send, exc, rid)
+            return
+        owner = await self.index.lookup(ident)
+        model = owner.model if owner is not None else self.default_model
+        target = self.upstreams.targets.get(model) if model is not None else None
+        if target is None or target.backend not in self.wrapped:
+            await send_error(send, not_found(ident), rid)
+            return
+        query: bytes = scope.get("query_string", b"")
+        ex = Exchange(rid, "responses", headers, b"", {"model": target.model}, started)
+        ex.method = method.encode()
+        ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
+        ex.stream = method == "GET" and not operation and b"stream=true" in query
+        provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
+        ex.targets = [_rewrap(target, provider)]
+        ex.mark("parse", started)
+        await self.pipeline.serve(ex, receive, send)
+
+    async def aclose(self) -> None:
+        await self.index.aclose()
+
+
+def _rewrap(target: Target, provider: Any) -> Target:
+    return Target(target.model, target.backend, target.upstream_model, target.settings, provider)

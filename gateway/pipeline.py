@@ -137,10 +137,11 @@ class Pipeline:
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
-                outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             if ex.resource:
-                outcome.usage = None  # a stored response's tokens were counted when it was made
+                # Reading a stored response generates nothing: its tokens and latency were counted when made.
+                outcome.usage = outcome.ttft_ms = outcome.tpot_ms = None
+            elif outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
+                outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
             # must still release the requests following it).
             if self.on_complete:

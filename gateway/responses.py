@@ -199,8 +199,10 @@ class Owned:
         return response
 
 
-def not_found(ident: str) -> errors.NotFoundError:
-    return errors.NotFoundError(f"Response with id '{ident}' not found.", param="response_id", code=None)
+def not_found(ident: str) -> errors.GatewayError:
+    # As OpenAI answers it: a 404 without a code.
+    message = f"Response with id '{ident}' not found."
+    return errors.GatewayError(message, status=404, type="invalid_request_error", param="response_id")
 
 
 class Responses:

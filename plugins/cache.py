@@ -320,7 +320,7 @@ class Cache:
             answer = completion.assemble(ex.endpoint, body) if ex.stream else orjson.loads(body)
         except orjson.JSONDecodeError:
             return None
-        if not isinstance(answer, dict) or "error" in answer:
+        if not isinstance(answer, dict) or answer.get("error"):  # a response object's "error" is null
             return None
         if ex.endpoint == "responses":
             if answer.get("status") != "completed":

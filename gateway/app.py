@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.pipeline import send_error
+from gateway.responses import JOB_PREFIX
 from gateway.responses import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
 from gateway.settings import Settings, load
@@ -84,12 +85,14 @@ class Gateway:
                 else:
                     await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
                 return
-            if path.startswith(RESPONSE_PREFIXES):
+            jobs = path.startswith(JOB_PREFIX)
+            if jobs or path.startswith(RESPONSE_PREFIXES):
                 runtime = self.runtime
+                rest = path[len(JOB_PREFIX) :] if jobs else path.partition("/responses/")[2]
                 if runtime is None:
                     await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
                 else:
-                    await runtime.responses.handle(scope, receive, send, path.partition("/responses/")[2])
+                    await runtime.responses.handle(scope, receive, send, rest, jobs)
                 return
         await self.site(scope, receive, send)
 

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 # Upstream response headers worth passing on; everything else is hop-by-hop or the gateway's to set.
-PASSED = frozenset({b"content-type", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"})
+PASSED = frozenset(
+    {b"content-type", b"location", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"}
+)
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05

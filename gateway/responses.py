@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway import errors, request
+from gateway.background_jobs import Background, Canned
 from gateway.context import Exchange, Target
 from gateway.store import StoreUnavailable
 
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.responses")
 
 PREFIXES = ("/v1/responses/", "/responses/", "/openai/v1/responses/")
+JOB_PREFIX = "/v1/sluice/background/"
+OPERATIONS = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}
+JOB_OPERATIONS = {"": ("GET",), "events": ("GET",)}
+NATIVE_BACKGROUND = frozenset({"openai"})  # backend types that run background responses themselves
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # The response's own id: the first `"id": "resp_..."` of a body or stream (item ids have other prefixes,
 # and `"previous_response_id"` does not match because of the quote before `id`).
@@ -62,6 +67,7 @@ def index_key(ident: str) -> str:
 class Owner:
     tenant: str
     model: str
+    job: bool = False  # a background job run by the gateway, not a response stored by a backend
 
 
 class ResponseIndex:
@@ -85,7 +91,7 @@ class ResponseIndex:
 
     async def _write(self, ident: str, owner: Owner) -> None:
         assert self.store is not None
-        record = orjson.dumps({"tenant": owner.tenant, "model": owner.model})
+        record = orjson.dumps({"tenant": owner.tenant, "model": owner.model, "job": owner.job})
         try:
             await self.store.execute("SET", index_key(ident), record, "PX", self.ttl_ms)
         except StoreUnavailable:
@@ -103,7 +109,7 @@ class ResponseIndex:
             return None
         try:
             record = orjson.loads(raw)
-            return Owner(str(record["tenant"]), str(record["model"]))
+            return Owner(str(record["tenant"]), str(record["model"]), bool(record.get("job")))
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return None
 
@@ -199,6 +205,77 @@ class Owned:
         return response
 
 
+class Starter:
+    """The one target of a background request run by the gateway: starts the job, answers at once."""
+
+    kind = "background"
+
+    def __init__(self, background: Background, index: ResponseIndex, chain: tuple[Target, ...], system: str) -> None:
+        self.background = background
+        self.index = index
+        self.chain = chain
+        self.system = system
+        self.url = None
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        ident, response = await self.background.begin(ex, self.chain)
+        self.index.note(ident, Owner(ex.tenant, ex.model, job=True))
+        return response
+
+
+class Reader:
+    """A background job's record and events, for the tenant that created it only."""
+
+    kind = "background"
+
+    def __init__(self, background: Background, index: ResponseIndex, ident: str, system: str) -> None:
+        self.background = background
+        self.index = index
+        self.ident = ident
+        self.system = system
+        self.url = None
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        background = self.background
+        try:
+            job = await background.jobs.get(self.ident)
+            if job is None or job.tenant != ex.tenant:
+                raise not_found(self.ident)
+            job = await background.check_owner(job)
+            path, _, query = ex.resource.partition("?")
+            operation = path.strip("/").partition("/")[2]
+            if operation == "cancel":
+                job = await background.cancel(job)
+            elif operation == "input_items":
+                items = orjson.loads(job.input)
+                first, last = (items[0].get("id"), items[-1].get("id")) if items else (None, None)
+                page = {"object": "list", "data": items, "first_id": first, "last_id": last, "has_more": False}
+                return Canned(200, orjson.dumps(page))
+            elif ex.method == b"DELETE":
+                await background.cancel(job)
+                await self.index.forget(self.ident)
+                return Canned(200, orjson.dumps({"id": self.ident, "object": "response", "deleted": True}))
+            elif operation == "events" or ex.stream:
+                return background.follow(job, _after(ex, query))
+        except StoreUnavailable:
+            raise errors.ServiceUnavailableError(
+                "the background job store is unavailable; retry shortly", code="background_unavailable"
+            ) from None
+        return Canned(200, job.object)
+
+
+def _after(ex: Exchange, query: str) -> int:
+    """The sequence number to resume after: `starting_after` (Responses) or `Last-Event-ID` (SSE)."""
+    given = ex.header(b"last-event-id")
+    value = given.decode("latin-1") if given is not None else ""
+    for pair in query.split("&"):
+        name, _, found = pair.partition("=")
+        if name == "starting_after":
+            value = found
+    value = value.strip()
+    return int(value) if value.lstrip("-").isdigit() else -1
+
+
 def not_found(ident: str) -> errors.GatewayError:
     # As OpenAI answers it: a 404 without a code.
     message = f"Response with id '{ident}' not found."
@@ -236,24 +313,49 @@ class Responses:
                 )
         default = settings.responses.default_model
         self.default_model = default if default is not None else next(iter(self.chains), None)
+        # Background mode: passed through to backends that have it, else run here (background_jobs.py).
+        self.background = Background(settings, upstreams, store)
+        native = {name for name, backend in settings.backends.items() if backend.type in NATIVE_BACKGROUND}
+        self.starters: dict[tuple[str, str], Target] = {}
+        for model, chain in upstreams.chains.items():
+            primary = chain[0]
+            system = primary.provider.system
+            if model in self.chains and primary.backend not in native:
+                starter = Starter(self.background, self.index, tuple(upstreams.chains[model]), system)
+                self.starters[("responses", model)] = _rewrap(primary, starter)
+            self.starters[("chat/completions", model)] = _rewrap(
+                primary, Starter(self.background, self.index, chain, system)
+            )
 
     def route(self, ex: Exchange) -> None:
         """The pipeline's routing step: Responses requests get the Responses chain of their model."""
+        if ex.endpoint == "chat/completions":
+            if ex.header(b"x-sluice-background") == b"true":
+                ex.targets = [self.starters[("chat/completions", ex.model)]]
+                ex.stream = False  # the answer is the job's id; the job itself streams
+                ex.json["background"] = True  # what the other stages read (the cache does not answer it)
+            return
         if ex.endpoint != "responses":
             return
         refusal = self.refusals.get(ex.model)
         if refusal is not None:
             raise refusal
-        ex.targets = list(self.chains[ex.model])
+        starter = self.starters.get(("responses", ex.model)) if ex.json.get("background") is True else None
+        ex.targets = [starter] if starter is not None else list(self.chains[ex.model])
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
-        """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items."""
+    async def start(self) -> None:
+        await self.background.start()
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, rest: str, jobs: bool = False) -> None:
+        """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items;
+        with `jobs`, GET /v1/sluice/background/{id} and GET /v1/sluice/background/{id}/events."""
         started = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         rid = request.request_id(headers)
         ident, _, operation = rest.partition("/")
         method: str = scope["method"]
-        allowed = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}.get(operation)
+        operations = JOB_OPERATIONS if jobs else OPERATIONS
+        allowed = operations.get(operation)
         from gateway.pipeline import send_error  # the pipeline imports nothing of this module: no cycle
 
         if allowed is None or not RESPONSE_ID.fullmatch(ident):
@@ -272,22 +374,27 @@ class Responses:
             await send_error(send, exc, rid)
             return
         owner = await self.index.lookup(ident)
-        model = owner.model if owner is not None else self.default_model
+        model = owner.model if owner is not None else None if jobs else self.default_model
         target = self.upstreams.targets.get(model) if model is not None else None
-        if target is None or target.backend not in self.wrapped:
+        if target is None or (target.backend not in self.wrapped and not (owner is not None and owner.job)):
             await send_error(send, not_found(ident), rid)
             return
         query: bytes = scope.get("query_string", b"")
-        ex = Exchange(rid, "responses", headers, b"", {"model": target.model}, started)
+        ex = Exchange(rid, "chat/completions" if jobs else "responses", headers, b"", {"model": target.model}, started)
         ex.method = method.encode()
         ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
-        ex.stream = method == "GET" and not operation and b"stream=true" in query
-        provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
+        ex.stream = operation == "events" or (method == "GET" and not operation and b"stream=true" in query)
+        system = target.provider.system
+        if owner is not None and owner.job:
+            provider: Any = Reader(self.background, self.index, ident, system)
+        else:
+            provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
         ex.targets = [_rewrap(target, provider)]
         ex.mark("parse", started)
         await self.pipeline.serve(ex, receive, send)
 
     async def aclose(self) -> None:
+        await self.background.aclose()
         await self.index.aclose()
 
 

@@ -33,6 +33,7 @@ class Runtime:
         await self.upstreams.start()
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
+        await self.responses.start()
         self.started = True
 
     @property

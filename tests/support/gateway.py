@@ -27,8 +27,9 @@ def free_port() -> int:
 
 
 class RunningGateway:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, process: subprocess.Popen[bytes] | None = None) -> None:
         self.port = port
+        self.process = process  # for gateway_process: the `sluice serve` process
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
 
@@ -106,7 +107,7 @@ def gateway_process(config: str, tmp: Path, *args: str, env: dict[str, str] | No
         ],
         env={**os.environ, **(env or {})},
     )
-    running = RunningGateway(port)
+    running = RunningGateway(port, proc)
     try:
         wait_ready(running.url)
         yield running

@@ -265,9 +265,13 @@ class Background:
 
     async def check_owner(self, job: Job) -> Job:
         """`job`, marked failed first if it is unfinished and its owner's lease has expired."""
-        if job.status in TERMINAL or job.owner == self.instance:
+        if job.status in TERMINAL:
             return job
-        if await self.jobs.alive(job.owner):
+        if job.owner == self.instance:
+            if job.ident in self.running:
+                return job
+            # Ours, but its task is gone without recording its end (the store failed meanwhile).
+        elif await self.jobs.alive(job.owner):
             return job
         failed = failed_document(job, "failed", LOST_ERROR)
         if await self.jobs.update(job, "failed", failed):

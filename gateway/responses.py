@@ -81,13 +81,22 @@ class ResponseIndex:
 
     def note(self, ident: str, owner: Owner) -> None:
         """Remember `ident` now in process, and in Redis in the background."""
-        self.local[ident] = owner
-        if len(self.local) > INDEX_ENTRIES:
-            self.local.popitem(last=False)
+        self._local(ident, owner)
         if self.store is not None:
             task = asyncio.get_running_loop().create_task(self._write(ident, owner))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
+
+    async def note_now(self, ident: str, owner: Owner) -> None:
+        """Remember `ident` before answering: a background job is polled at once, perhaps on another instance."""
+        self._local(ident, owner)
+        if self.store is not None:
+            await self._write(ident, owner)
+
+    def _local(self, ident: str, owner: Owner) -> None:
+        self.local[ident] = owner
+        if len(self.local) > INDEX_ENTRIES:
+            self.local.popitem(last=False)
 
     async def _write(self, ident: str, owner: Owner) -> None:
         assert self.store is not None
@@ -219,7 +228,7 @@ class Starter:
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         ident, response = await self.background.begin(ex, self.chain)
-        self.index.note(ident, Owner(ex.tenant, ex.model, job=True))
+        await self.index.note_now(ident, Owner(ex.tenant, ex.model, job=True))
         return response
 
 
@@ -340,7 +349,10 @@ class Responses:
         refusal = self.refusals.get(ex.model)
         if refusal is not None:
             raise refusal
-        starter = self.starters.get(("responses", ex.model)) if ex.json.get("background") is True else None
+        background = ex.json.get("background") is True
+        if background and ex.json.get("store") is False:
+            raise errors.BadRequestError("a background response must be stored: drop store: false", param="store")
+        starter = self.starters.get(("responses", ex.model)) if background else None
         ex.targets = [starter] if starter is not None else list(self.chains[ex.model])
 
     async def start(self) -> None:

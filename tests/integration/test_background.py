@@ -214,3 +214,25 @@ def test_a_job_whose_owner_died_ends_failed(redis_server: RedisServer, tmp_path:
         failed = finished(client, made.id, timeout=10.0)
         assert failed.status == "failed" and failed.error is not None and failed.error.code == "owner_lost"
         assert time.monotonic() - killed < 8.0  # the lease is 1 s; polls notice it soon after
+
+
+def test_a_graceful_shutdown_fails_the_owners_jobs_at_once(redis_server: RedisServer, tmp_path: Path) -> None:
+    slow = "{type: simulated, ttft_ms: 20, tpot_ms: 200, tokens: 500}"
+    text = config(slow, f'redis: {{url: "{redis_server.url}"}}')  # the default lease (10 s) is not waited for
+    with gateway_process(text, tmp_path) as owner, gateway_process(text, tmp_path) as survivor:
+        made = sdk(owner).responses.create(model="m", input="interrupted", background=True)
+        client = sdk(survivor)
+        until(lambda: client.responses.retrieve(made.id).status == "in_progress" or None, what="in_progress")
+        assert owner.process is not None
+        owner.process.terminate()
+        owner.process.wait(10)
+        ended = client.responses.retrieve(made.id)
+        assert ended.status == "failed" and ended.error is not None and ended.error.code == "gateway_shutdown"
+        events = list(client.responses.retrieve(made.id, stream=True))
+        assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+
+
+def test_background_needs_store(sim: RunningGateway) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(sim).responses.create(model="m", input="x", background=True, store=False)
+    assert caught.value.param == "store"  # type: ignore[attr-defined]

@@ -263,3 +263,28 @@ auth: {required: false}
         done = events[-1]
         assert done.type == "response.completed" and done.response.output_text == "".join(e.delta for e in deltas)
         assert client.responses.retrieve(done.response.id).output_text == done.response.output_text
+
+
+def test_fallback_and_token_limits_work_as_for_chat(upstream: ScriptedUpstream) -> None:
+    text = f"""
+backends:
+  a: {{type: openai, base_url: "{upstream.url}/v1"}}
+  b: {{type: vllm, base_url: "{upstream.url}/v1"}}
+models:
+  gpt: {{backend: a, fallback: [local]}}
+  local: {{backend: b, upstream_model: served-local}}
+tenants:
+  acme: {{keys: ["{KEY_HASH}"], rate_limit: {{tokens_per_minute: 1000}}}}
+plugins: [auth, rate_limit]
+"""
+    with gateway_thread(text) as gw:
+        client = sdk(gw)
+        upstream.script(Status(503))
+        served = client.responses.with_raw_response.create(model="gpt", input="one two three", max_output_tokens=50)
+        assert served.headers["x-sluice-model"] == "local" and served.headers["x-sluice-fallback"] == "error"
+        assert upstream.requests[-1].json["model"] == "served-local"
+        # The reservation (body / 4 + max_output_tokens) is corrected to the usage's total_tokens: 3 + 6.
+        after = client.responses.with_raw_response.create(model="gpt", input="x", max_output_tokens=1)
+        remaining = int(after.headers["x-ratelimit-remaining-tokens"])
+        reserved = len(b'{"input":"x","max_output_tokens":1,"model":"gpt"}') // 4 + 1
+        assert remaining == pytest.approx(1000 - 9 - reserved, abs=2)

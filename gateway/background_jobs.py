@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway import completion, errors
+from gateway import errors
 from gateway.background import TERMINAL, Job, Jobs, MemoryJobs, RedisJobs
+from gateway.background_recorder import Recorder, failed_document, input_items, queued_response
 from gateway.context import Exchange
 from gateway.pool import PoolError
 from gateway.store import StoreUnavailable
@@ -41,8 +42,6 @@ log = logging.getLogger("sluice.background")
 
 JSON = b"application/json"
 SSE = b"text/event-stream"
-FLUSH_EVENTS = 32  # events stored in one round trip at most...
-FLUSH_S = 0.05  # ...and no later than this after the first of them arrived
 SHUTDOWN_ERROR = {"code": "gateway_shutdown", "message": "the gateway instance running it shut down"}
 LOST_ERROR = {"code": "owner_lost", "message": "the gateway instance running it stopped (its lease expired)"}
 
@@ -237,7 +236,7 @@ class Background:
         try:
             async with asyncio.timeout(self.spec.max_seconds):
                 opened = await self.upstreams.open(ex)
-                await recorder.begin(ex.served.model if ex.served is not None else job.model)
+                await recorder.begin()
                 await recorder.feed(opened.first)
                 while chunk := await opened.response.next_chunk():
                     await recorder.feed(chunk)
@@ -303,131 +302,6 @@ class Background:
             with contextlib.suppress(BaseException):
                 await task
             log.info("background job %s: failed at shutdown", ident)
-
-
-class Recorder:
-    """Stores a job's stream as it arrives: events in batches, the status when it changes."""
-
-    def __init__(self, jobs: Jobs, job: Job, document: dict[str, Any]) -> None:
-        self.jobs = jobs
-        self.job = job
-        self.document = document
-        self.buffer = b""
-        self.pending: list[tuple[int, bytes]] = []
-        self.first_at = 0.0
-        self.seq = -1
-        self.raw: list[bytes] = []  # chat: every event, assembled into the completion at the end
-        self.terminal: dict[str, Any] | None = None
-
-    async def begin(self, served: str) -> None:
-        self.document = {**self.document, "status": "in_progress"}
-        await self.jobs.update(self.job, "in_progress", orjson.dumps(self.document))
-
-    async def feed(self, chunk: bytes) -> None:
-        self.buffer += chunk
-        *events, self.buffer = self.buffer.split(b"\n\n")
-        for event in events:
-            if event.strip():
-                self._take(event + b"\n\n")
-        if self.pending and (len(self.pending) >= FLUSH_EVENTS or time.monotonic() - self.first_at >= FLUSH_S):
-            await self.flush()
-
-    def _take(self, event: bytes) -> None:
-        if self.job.kind == "responses":
-            event = self._responses_event(event)
-        else:
-            if b"data: [DONE]" in event:
-                return
-            self.raw.append(event)
-            self.seq += 1
-        if not self.pending:
-            self.first_at = time.monotonic()
-        self.pending.append((self.seq, event))
-
-    def _responses_event(self, event: bytes) -> bytes:
-        """The event with the job's id in its response object; its sequence number kept."""
-        data = next((line[5:] for line in event.split(b"\n") if line.startswith(b"data:")), b"")
-        try:
-            parsed = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self.seq += 1
-            return event
-        seq = parsed.get("sequence_number")
-        self.seq = seq if isinstance(seq, int) and seq > self.seq else self.seq + 1
-        response = parsed.get("response")
-        if not isinstance(response, dict):
-            return event
-        parsed["response"] = response = {**response, "id": self.job.ident, "background": True}
-        if parsed.get("type") in ("response.completed", "response.incomplete", "response.failed"):
-            self.terminal = response
-        return b"event: " + str(parsed.get("type", "")).encode() + b"\ndata: " + orjson.dumps(parsed) + b"\n\n"
-
-    async def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        if pending:
-            await self.jobs.append(self.job.ident, pending)
-
-    async def end(self) -> None:
-        await self.flush()
-        if self.job.kind == "responses":
-            if self.terminal is None:
-                await self.fail("failed", {"code": "upstream_error", "message": "the stream ended early"})
-                return
-            status = str(self.terminal.get("status") or "completed")
-            await self.jobs.update(self.job, status, orjson.dumps(self.terminal))
-            return
-        answer = completion.assemble(self.job.kind, b"".join(self.raw) + b"data: [DONE]\n\n")
-        if answer is None:
-            await self.fail("failed", {"code": "upstream_error", "message": "the stream ended early"})
-            return
-        document = {**self.document, "status": "completed", "result": answer}
-        await self.jobs.update(self.job, "completed", orjson.dumps(document))
-
-    async def fail(self, status: str, error: dict[str, str]) -> None:
-        await self.flush()
-        await self.jobs.update(self.job, status, failed_document(self.job, status, error, self.document))
-
-
-def failed_document(job: Job, status: str, error: dict[str, str] | None, base: dict[str, Any] | None = None) -> bytes:
-    document = base if base is not None else orjson.loads(job.object)
-    return orjson.dumps({**document, "status": status, "error": error})
-
-
-def queued_response(ident: str, body: dict[str, Any], now: int) -> dict[str, Any]:
-    """The response object of a job not yet started, from what the request asked for."""
-    return {
-        "id": ident,
-        "object": "response",
-        "created_at": now,
-        "status": "queued",
-        "background": True,
-        "error": None,
-        "incomplete_details": None,
-        "instructions": body.get("instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": body.get("metadata") or {},
-        "model": body.get("model"),
-        "output": [],
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": body.get("previous_response_id"),
-        "store": True,
-        "temperature": body.get("temperature"),
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [],
-        "top_p": body.get("top_p"),
-        "truncation": body.get("truncation", "disabled"),
-        "usage": None,
-        "user": body.get("user"),
-    }
-
-
-def input_items(ident: str, given: Any) -> list[Any]:
-    if isinstance(given, str):
-        given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
-    if not isinstance(given, list):
-        return []
-    return [{"id": f"msg_{ident[5:]}_{i}", **item} if isinstance(item, dict) else item for i, item in enumerate(given)]
 
 
 async def _quietly(call: Any) -> None:

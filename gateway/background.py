@@ -98,6 +98,7 @@ class Jobs(Protocol):
     async def request_cancel(self, ident: str) -> None: ...
     async def cancel_requested(self, idents: Sequence[str]) -> set[str]: ...
     async def renew(self, instance: str) -> None: ...
+    async def prepare(self) -> None: ...
     async def alive(self, instance: str) -> bool: ...
     async def changed(self, ident: str, timeout: float) -> None: ...
 
@@ -171,6 +172,10 @@ class RedisJobs:
     async def renew(self, instance: str) -> None:
         await self.store.execute("SET", lease_key(instance), 1, "PX", self.lease_ms)
 
+    async def prepare(self) -> None:
+        """Load the scripts now, so that the first job does not pay for it (the NOSCRIPT path still works)."""
+        await self.store.pipeline([["SCRIPT", "LOAD", script.source] for script in (CREATE, UPDATE)])
+
     async def alive(self, instance: str) -> bool:
         return bool(await self.store.execute("EXISTS", lease_key(instance)))
 
@@ -243,6 +248,9 @@ class MemoryJobs:
         return {ident for ident in idents if ident in self.cancels}
 
     async def renew(self, instance: str) -> None:
+        return None
+
+    async def prepare(self) -> None:
         return None
 
     async def alive(self, instance: str) -> bool:

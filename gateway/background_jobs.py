@@ -165,6 +165,7 @@ class Background:
     async def start(self) -> None:
         if self.shared:
             with contextlib.suppress(StoreUnavailable):
+                await self.jobs.prepare()
                 await self.jobs.renew(self.instance)
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease())
 

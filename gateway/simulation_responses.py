@@ -37,7 +37,7 @@ def respond(body: dict[str, Any], model: str, profile: Profile) -> Reply:
     }
     usage = {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": count,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + count,

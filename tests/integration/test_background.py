@@ -236,3 +236,17 @@ def test_background_needs_store(sim: RunningGateway) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         sdk(sim).responses.create(model="m", input="x", background=True, store=False)
     assert caught.value.param == "store"  # type: ignore[attr-defined]
+
+
+def test_redis_down_refuses_background_requests_and_nothing_else(redis_server: RedisServer) -> None:
+    with gateway_thread(config(SLOW_SIM, f'redis: {{url: "{redis_server.url}"}}')) as gw:
+        client = sdk(gw)
+        made = client.responses.create(model="m", input="before", background=True)
+        redis_server.stop()
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.responses.create(model="m", input="during", background=True)
+        assert caught.value.status_code == 503 and caught.value.code == "background_unavailable"  # type: ignore[attr-defined]
+        with pytest.raises(openai.InternalServerError):
+            client.responses.retrieve(made.id)  # its record is in Redis: unavailable, not lost or wrong
+        direct = client.responses.create(model="m", input="not in the background")
+        assert direct.status == "completed" and client.responses.retrieve(direct.id).id == direct.id

@@ -189,7 +189,8 @@ class Responses:
             primary = chain[0]
             system = primary.provider.system
             if model in self.chains and primary.backend not in native:
-                starter = Starter(self.background, self.index, tuple(upstreams.chains[model]), system)
+                capable_chain = tuple(t for t in chain if t.backend in capable)
+                starter = Starter(self.background, self.index, capable_chain, system)
                 self.starters[("responses", model)] = _rewrap(primary, starter)
             self.starters[("chat/completions", model)] = _rewrap(
                 primary, Starter(self.background, self.index, chain, system)
@@ -245,7 +246,11 @@ class Responses:
         owner = await self.index.lookup(ident)
         model = owner.model if owner is not None else None if jobs else self.default_model
         target = self.upstreams.targets.get(model) if model is not None else None
-        if target is None or (target.backend not in self.wrapped and not (owner is not None and owner.job)):
+        job = owner is not None and owner.job
+        # Each path reads its own kind: a Responses job or stored response under /v1/responses, a chat job
+        # under /v1/sluice/background.
+        wrong_path = (job and ident.startswith("resp_") == jobs) or (jobs and not job)
+        if target is None or (target.backend not in self.wrapped and not job) or wrong_path:
             await send_error(send, not_found(ident), rid)
             return
         query: bytes = scope.get("query_string", b"")
@@ -254,7 +259,7 @@ class Responses:
         ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
         ex.stream = operation == "events" or (method == "GET" and not operation and b"stream=true" in query)
         system = target.provider.system
-        if owner is not None and owner.job:
+        if job:
             provider: Any = Reader(self.background, self.index, ident, system)
         else:
             provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)

@@ -185,6 +185,10 @@ def test_background_chat_completions(sim: RunningGateway) -> None:
     assert [int(line[4:]) for line in resumed.splitlines() if line.startswith("id: ")] == ids[-4:]
     assert whole.endswith(resumed)
     assert httpx.get(f"{sim.url}{location}", headers={"authorization": f"Bearer {OTHER_KEY}"}).status_code == 404
+    # Each path reads its own kind of job.
+    assert httpx.get(f"{sim.base_url}/responses/{job['id']}", headers=auth).status_code == 404
+    made = sdk(sim).responses.create(model="m", input="x", background=True)
+    assert httpx.get(f"{sim.base_url}/sluice/background/{made.id}", headers=auth).status_code == 404
 
 
 def test_created_on_one_instance_resumed_on_another(redis_server: RedisServer, tmp_path: Path) -> None:

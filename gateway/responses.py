@@ -191,9 +191,9 @@ class Responses:
             if model in self.chains and primary.backend not in native:
                 capable_chain = tuple(t for t in chain if t.backend in capable)
                 starter = Starter(self.background, self.index, capable_chain, system)
-                self.starters[("responses", model)] = _rewrap(primary, starter)
+                self.starters[("responses", model)] = _rewrap(primary, starter, timed=False)
             self.starters[("chat/completions", model)] = _rewrap(
-                primary, Starter(self.background, self.index, chain, system)
+                primary, Starter(self.background, self.index, chain, system), timed=False
             )
 
     def route(self, ex: Exchange) -> None:
@@ -263,7 +263,7 @@ class Responses:
             provider: Any = Reader(self.background, self.index, ident, system)
         else:
             provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
-        ex.targets = [_rewrap(target, provider)]
+        ex.targets = [_rewrap(target, provider, timed=False)]
         ex.mark("parse", started)
         await self.pipeline.serve(ex, receive, send)
 
@@ -272,5 +272,10 @@ class Responses:
         await self.index.aclose()
 
 
-def _rewrap(target: Target, provider: Any) -> Target:
-    return Target(target.model, target.backend, target.upstream_model, target.settings, provider)
+def _rewrap(target: Target, provider: Any, timed: bool = True) -> Target:
+    """`target` served by `provider`; `timed=False` drops the first-token deadline and hedging, which are
+    about a model generating, not about reading what a job stored (a queued job has no first token yet)."""
+    settings = target.settings
+    if not timed:
+        settings = settings.model_copy(update={"first_token_deadline_ms": None, "hedge_after_ms": None})
+    return Target(target.model, target.backend, target.upstream_model, settings, provider)

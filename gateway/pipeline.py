@@ -1,6 +1,7 @@
 """The request path: the only module with request control flow. Six steps, one direction.
 
-    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain
+    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain, which the routing step
+                (`route`, set by the runtime: the Responses API, background jobs) may replace
     2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects
     3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out

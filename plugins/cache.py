@@ -6,8 +6,11 @@
   entry unless the model is configured `cache: {shared: true}`.
 - Policy per model: `deterministic` (the default: only temperature 0 or a seed), `always`, `off`.
   `Cache-Control: no-cache` skips the lookup but stores the answer; `no-store` does neither.
-- Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]`. The stored
-  form is the assembled answer, written after the response has ended; it replays as JSON or as SSE.
+- Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]` (for the
+  Responses API: a response whose status is `completed`). The stored form is the assembled answer, written
+  after the response has ended; it replays as JSON or as SSE. Background requests and reads of stored
+  responses are never cached; `store` is part of a Responses key (it decides whether the id can be
+  retrieved later), and so is `previous_response_id`, like every other field.
 - Single flight: identical requests that arrive while the first is running share its upstream call.
   Streaming followers get the leader's bytes as they arrive; if the leader fails before its first byte, one
   follower takes over; after it, followers get the same error event. Bounded: `max_followers`,
@@ -46,6 +49,8 @@ log = logging.getLogger("sluice.cache")
 
 KEY_PREFIX = "sluice:cache:v1:"
 TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+# For the Responses API `store` decides whether the answer's id can be retrieved and continued later.
+RESPONSES_TRANSPORT_ONLY = TRANSPORT_ONLY - {"store"}
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
 HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
@@ -215,7 +220,8 @@ class Cache:
         self.stats["bypass"] += 1
 
     def key(self, ex: Exchange, policy: Policy) -> str:
-        fields = {k: v for k, v in ex.json.items() if k not in TRANSPORT_ONLY}
+        skip = RESPONSES_TRANSPORT_ONLY if ex.endpoint == "responses" else TRANSPORT_ONLY
+        fields = {k: v for k, v in ex.json.items() if k not in skip}
         scope = "*" if policy.shared else ex.tenant
         material = orjson.dumps([scope, ex.model, ex.endpoint, fields], option=orjson.OPT_SORT_KEYS)
         return KEY_PREFIX + hashlib.sha256(material).hexdigest()

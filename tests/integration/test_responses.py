@@ -188,6 +188,9 @@ def test_a_deterministic_repeat_is_a_cache_hit_and_a_chain_is_its_own_key(
         model="gpt", input="cache me", temperature=0, previous_response_id=first.parse().id
     )
     assert chained.headers["x-sluice-cache"] == "miss" and len(responses_requests(upstream)) == 2
+    # So is `store`: an answer that cannot be retrieved later is not one that can.
+    unstored = client.responses.with_raw_response.create(model="gpt", input="cache me", temperature=0, store=False)
+    assert unstored.headers["x-sluice-cache"] == "miss" and len(responses_requests(upstream)) == 3
     # A retrieval is never cached.
     got = client.responses.with_raw_response.retrieve(first.parse().id)
     assert got.headers["x-sluice-cache"] == "bypass"

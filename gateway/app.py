@@ -19,11 +19,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway import errors
+from gateway.config import load
 from gateway.pipeline import send_error
 from gateway.responses import JOB_PREFIX
 from gateway.responses import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
-from gateway.settings import Settings, load
+from gateway.settings import Settings
 
 ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",

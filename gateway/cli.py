@@ -3,20 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib
 import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
 
-from gateway.settings import ConfigError, Settings, load
+from gateway.config import describe, parse, read
+from gateway.plugin import BUILTIN_COMMANDS
+from gateway.settings import ConfigError, Settings
 
 
 def _config(path: str | None) -> Settings:
+    """The config, checked as `serve` would build it; every problem on a line of its own, then exit 2."""
     try:
-        return load(path)
+        text, source = read(path)
+        settings = parse(text, source)
+        asyncio.run(_build(settings, source))
     except ConfigError as exc:
-        sys.exit(f"sluice: config error: {exc}")
+        for line in exc.lines:
+            print(f"sluice: config error: {line}", file=sys.stderr)
+        sys.exit(2)
+    return settings
+
+
+async def _build(settings: Settings, source: str) -> None:
+    """Everything `serve` builds, short of opening sockets: providers, pools, plugins, telemetry."""
+    from gateway.runtime import Runtime
+
+    try:
+        runtime = Runtime(settings)
+    except ConfigError as exc:
+        raise ConfigError(*(f"{source}: {line}" for line in exc.lines)) from None
+    await runtime.aclose()
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -56,59 +77,32 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    settings = _config(args.config)
-    print(
-        f"ok: {len(settings.backends)} backend(s), {len(settings.models)} model(s), plugins: "
-        f"{', '.join(settings.plugins) or 'none'}"
-    )
+    print(describe(_config(args.config)))
 
 
 def sim(args: argparse.Namespace) -> None:
     from gateway.simulation import Profile
     from gateway.tools import sim as simulator
+    from gateway.tools import sim_fleet
 
+    if sim_fleet.wanted(args):
+        sim_fleet.main(args)
+        return
     simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
 
 
-def keys(args: argparse.Namespace) -> None:
-    from gateway.tools import keys as store
-
-    if args.action == "new":
-        store.new(args.tenant or "default")
-        return
-    url = args.redis if args.redis is not None else _config(args.config).redis.url
-    if args.action == "list":
-        store.list_keys(url)
-        return
-    hexdigest = store.hex_digest(args.key, args.hash)
-    if args.action == "add":
-        if not args.tenant:
-            sys.exit("sluice keys add: --tenant is required")
-        models = [m for m in args.models.split(",") if m] if args.models else None
-        store.add(url, args.tenant, hexdigest, models)
-    else:
-        store.revoke(url, hexdigest)
+# What the CLI offers beside serving: (module, help). Each module has add_arguments(parser) and
+# main(args) -> exit code, and is imported only when its own command runs, so `sluice serve` loads none.
+TOOLS: dict[str, tuple[str, str]] = {
+    "bench": ("gateway.tools.bench", "measure the gateway's added latency against a direct connection"),
+    "demo": ("gateway.tools.demo", "watch the SLO fallback, the cache and the overhead live (about 45 s)"),
+    "probe": ("gateway.tools.probe", "latency breakdown and diagnosis of any OpenAI-compatible endpoint"),
+    **BUILTIN_COMMANDS,
+}
 
 
-def bench(args: argparse.Namespace) -> None:
-    from gateway.tools import bench as benchmark
-
-    sys.exit(benchmark.main(args))
-
-
-def demo(args: argparse.Namespace) -> None:
-    from gateway.tools import demo as show
-
-    sys.exit(show.main(args))
-
-
-def probe(args: argparse.Namespace) -> None:
-    from gateway.tools import probe as prober
-
-    sys.exit(prober.main(args))
-
-
-def parser() -> argparse.ArgumentParser:
+def parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; a tool's own arguments are added only for `command`, the one being run."""
     root = argparse.ArgumentParser(prog="sluice", description="A latency-first, OpenAI-compatible LLM gateway.")
     commands = root.add_subparsers(dest="command", required=True)
 
@@ -120,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(run=serve)
 
-    p = commands.add_parser("check", help="validate a config and exit")
+    p = commands.add_parser("check", help="validate a config as `serve` would build it, and exit")
     p.add_argument("-c", "--config")
     p.set_defaults(run=check)
 
@@ -130,40 +124,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=150.0)
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
+    from gateway.tools import sim_fleet
+
+    sim_fleet.add_arguments(p)
     p.set_defaults(run=sim)
 
-    from gateway.tools import bench as benchmark
-
-    p = commands.add_parser("bench", help="measure the gateway's added latency against a direct connection")
-    benchmark.add_arguments(p)
-    p.set_defaults(run=bench)
-
-    from gateway.tools import demo as show
-
-    p = commands.add_parser("demo", help="watch the SLO fallback, the cache and the overhead live (about 45 s)")
-    show.add_arguments(p)
-    p.set_defaults(run=demo)
-
-    from gateway.tools import probe as prober
-
-    p = commands.add_parser("probe", help="latency breakdown and diagnosis of any OpenAI-compatible endpoint")
-    prober.add_arguments(p)
-    p.set_defaults(run=probe)
-
-    p = commands.add_parser("keys", help="make gateway keys; add, revoke and list them in Redis")
-    p.add_argument("action", choices=["new", "add", "revoke", "list"])
-    p.add_argument("--tenant")
-    p.add_argument("--key", help="the key itself (add/revoke)")
-    p.add_argument("--hash", help="the key's sha256:... (add/revoke)")
-    p.add_argument("--models", help="comma-separated models the key may use (add; default: all)")
-    p.add_argument("--redis", help="Redis URL (default: redis.url from the config)")
-    p.add_argument("-c", "--config")
-    p.set_defaults(run=keys)
+    for name, (module, summary) in TOOLS.items():
+        p = commands.add_parser(name, help=summary)
+        if name == command:
+            tool = importlib.import_module(module)
+            tool.add_arguments(p)
+            p.set_defaults(run=lambda args, tool=tool: sys.exit(tool.main(args)))
     return root
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((word for word in words if not word.startswith("-")), None)
+    args = parser(command).parse_args(words)
     args.run(args)
 
 

@@ -13,7 +13,13 @@ import orjson
 
 from gateway import response_events
 
-DONE_EVENT = b"data: [DONE]\n\n"
+
+def sse(data: bytes) -> bytes:
+    """One SSE event carrying `data` (a JSON document or `[DONE]`): the one writer of events there is."""
+    return b"data: " + data + b"\n\n"
+
+
+DONE_EVENT = sse(b"[DONE]")
 # Replayed content goes out in pieces of about this many characters: the client's stream parser and any
 # UI see a stream, and the whole replay still fits in one write.
 PIECE = 64
@@ -130,7 +136,7 @@ def replay(endpoint: str, answer: dict[str, Any], include_usage: bool) -> bytes:
         chunk = {**head, "choices": choices}
         if include_usage:
             chunk["usage"] = usage
-        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        out.append(sse(orjson.dumps(chunk)))
 
     for choice in answer.get("choices") or ():
         index = choice.get("index", 0)

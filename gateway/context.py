@@ -1,7 +1,8 @@
 """Exchange: the state of one proxied request as it moves through the pipeline.
 
 Built in step 1 (parse) and read by every later step. Plugins keep their own data in `state`, keyed by
-plugin name; nothing else about a request lives anywhere else.
+plugin name, and tell telemetry what it should know through `labels` (the metric labels they declare),
+`attributes` (span attributes) and, when one refuses the request, `rejected_by`; telemetry reads only those.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Target:
 class Exchange:
     __slots__ = (
         "attempts",
+        "attributes",
         "body",
         "endpoint",
         "fallback",
@@ -36,10 +38,12 @@ class Exchange:
         "hedge_after_ms",
         "hedged",
         "json",
+        "labels",
         "method",
         "model",
         "overhead_ms",
         "pool_ms",
+        "rejected_by",
         "request_id",
         "resource",
         "served",
@@ -87,6 +91,9 @@ class Exchange:
         self.pool_ms = 0.0  # of which getting a connection for the attempt that served
         self.overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
         self.state: dict[str, Any] = {}
+        self.labels: dict[str, str] = {}  # metric label -> value, for the labels plugins declare
+        self.attributes: dict[str, str | int | float | bool] = {}  # extra span attributes set by plugins
+        self.rejected_by: str | None = None  # the plugin that refused the request, if one did
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from gateway import pool
+from gateway.completion import sse
 
 
 class GatewayError(Exception):
@@ -59,7 +60,7 @@ class GatewayError(Exception):
 
     def sse_event(self) -> bytes:
         """The error as one SSE event, then the end of the stream, for failures after the first byte."""
-        return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
+        return sse(self.body()) + sse(b"[DONE]")
 
 
 class BadRequestError(GatewayError):

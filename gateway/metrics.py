@@ -6,6 +6,10 @@ sub-millisecond overhead. Counters cover requests by status, tokens, cache resul
 rejections, Redis failures and the fate of trace spans; gauges the requests in flight and each model's SLO
 state.
 
+Plugins own their series (the Envoy model): they make them at start-up through the `Meter` they are given
+(`runtime.meter`), in the same registry, and add labels to the request series by declaring them in their
+schema and setting `ex.labels`. This module never names a plugin.
+
 Recording is cheap: the labelled children of one label tuple are looked up once and kept, so a request
 costs a dict lookup and a handful of increments, after its response has ended and never per chunk. The
 tenant label is bounded (`telemetry.max_tenants`, then `other`).
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -43,13 +47,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 OVERHEAD_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
-LABELS = ("tenant", "model", "served_model", "backend", "stream", "cache")
+CORE_LABELS = ("tenant", "model", "served_model", "backend", "stream")
 OTHER_TENANT = "other"
 CLIENT_CLOSED = "499"  # the client left before the response head: no status was ever sent
-
-
-class SloSource(Protocol):
-    def states(self) -> Mapping[str, str | int]: ...
 
 
 def multiprocess_dir() -> str | None:
@@ -109,62 +109,59 @@ class Metrics:
         self,
         settings: TelemetrySettings,
         tenants: Iterable[str] = (),
-        slo: SloSource | None = None,
+        labels: Mapping[str, str] | None = None,
         store: Store | None = None,
     ) -> None:
+        """`labels`: the request-series labels plugins declared, with the value of a request that set none."""
         self.directory = multiprocess_dir()
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.extra = dict(labels or {})
+        names = (*CORE_LABELS, *self.extra)
         self.ttft = Histogram(
             "sluice_time_to_first_token_seconds",
             "Arrival to the first output token (streams) or to the whole answer.",
-            LABELS,
+            names,
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.tpot = Histogram(
             "sluice_time_per_output_token_seconds",
             "Mean time per output token after the first, per stream.",
-            LABELS,
+            names,
             buckets=TPOT_BUCKETS,
             registry=registry,
         )
         self.duration = Histogram(
             "sluice_request_duration_seconds",
             "Arrival to the last byte sent.",
-            LABELS,
+            names,
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.upstream = Histogram(
             "sluice_upstream_duration_seconds",
             "Time spent waiting on upstreams for the response head (and first chunk), every try included.",
-            LABELS,
+            names,
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.overhead = Histogram(
             "sluice_overhead_seconds",
             "The gateway's own time before the response head: arrival to head minus upstream wait.",
-            LABELS,
+            names,
             buckets=OVERHEAD_BUCKETS,
             registry=registry,
         )
         self.requests = Counter(
             "sluice_requests_total",
             "Requests by the status sent to the client (499: the client left before the head).",
-            (*LABELS, "status"),
+            (*names, "status"),
             registry=registry,
         )
         self.tokens = Counter(
             "sluice_tokens_total",
             "Tokens reported in upstream usage, by direction (input or output).",
-            (*LABELS[:4], "direction"),
-            registry=registry,
-        )
-        self.cache = Counter(
-            "sluice_cache_results_total",
-            "Cache lookups by result (hit, miss, bypass).",
-            ("tenant", "model", "result"),
+            (*names[:4], "direction"),
             registry=registry,
         )
         self.fallbacks = Counter(
@@ -173,10 +170,10 @@ class Metrics:
             ("model", "served_model", "reason"),
             registry=registry,
         )
-        self.rate_limited = Counter(
-            "sluice_rate_limited_total",
-            "Requests the gateway rejected with 429 before any upstream was tried.",
-            ("tenant", "model"),
+        self.rejections = Counter(
+            "sluice_plugin_rejections_total",
+            "Requests a plugin refused before any upstream was tried, by plugin and status.",
+            ("tenant", "model", "plugin", "status"),
             registry=registry,
         )
         self.redis_failures = Counter(
@@ -195,18 +192,9 @@ class Metrics:
             registry=registry,
             multiprocess_mode="livesum",
         )
-        self.slo_state = Gauge(
-            "sluice_slo_state",
-            "1 for the state each model is in (summed over worker processes), 0 for the others.",
-            ("model", "state"),
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
         self.series: dict[tuple[str, ...], Series] = {}
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
-        self.slo = slo
-        self.slo_seen: dict[str, str] = {}
         self.store = store
         self.store_seen = 0
         self.span_counters: dict[str, Any] = {}
@@ -217,22 +205,24 @@ class Metrics:
         self.open[ex.stream].inc()
 
     def rejected(self, status: int) -> None:
-        self.requests.labels("unknown", "", "", "", "", "none", str(status)).inc()
+        self.requests.labels("unknown", "", "", "", "", *self.extra.values(), str(status)).inc()
 
     # -- the completion task ------------------------------------------------------------------------------
 
-    def record(self, ex: Exchange, outcome: Outcome, cache: str, total_ms: float, trace_id: str | None) -> None:
+    def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
         self.open[ex.stream].dec()
         served = ex.served
         tenant = self.tenant_label(ex.tenant)
-        labels = (
+        labels: tuple[str, ...] = (
             tenant,
             ex.model,
             served.model if served is not None else "",
             served.backend if served is not None else "",
             "true" if ex.stream else "false",
-            cache,
         )
+        if self.extra:
+            got = ex.labels
+            labels += tuple(got.get(name, default) for name, default in self.extra.items())
         series = self.series.get(labels)
         if series is None:
             series = self.series[labels] = Series(self, labels)
@@ -255,12 +245,10 @@ class Metrics:
                 tokens = usage.get(field)
                 if isinstance(tokens, int) and tokens > 0:
                     series.tokens(direction, tokens)
-        if cache != "none":
-            self.cache.labels(tenant, ex.model, cache).inc()
         if ex.fallback is not None:
             self.fallbacks.labels(ex.model, labels[2], ex.fallback).inc()
-        if outcome.status == 429 and not ex.attempts and outcome.source == "error":
-            self.rate_limited.labels(tenant, ex.model).inc()
+        if ex.rejected_by is not None:
+            self.rejections.labels(tenant, ex.model, ex.rejected_by, str(outcome.status)).inc()
         self.sync()
 
     def count_spans(self, result: str, count: int) -> None:
@@ -271,20 +259,11 @@ class Metrics:
         counter.inc(count)
 
     def sync(self) -> None:
-        """Bring the series read from elsewhere (Redis failures, SLO states) up to date."""
+        """Bring the series read from elsewhere (Redis failures) up to date."""
         store = self.store
         if store is not None and store.failures != self.store_seen:
             self.redis_failures.inc(max(store.failures - self.store_seen, 0))
             self.store_seen = store.failures
-        if self.slo is not None:
-            states = {model: str(state) for model, state in self.slo.states().items()}
-            if states != self.slo_seen:
-                for model, state in self.slo_seen.items():
-                    if states.get(model) != state:
-                        self.slo_state.labels(model, state).set(0)
-                for model, state in states.items():
-                    self.slo_state.labels(model, state).set(1)
-                self.slo_seen = states
 
     # -- /metrics -----------------------------------------------------------------------------------------
 
@@ -300,5 +279,20 @@ class Metrics:
 
     def close(self) -> None:
         if self.directory is not None:
-            # This process's in-flight and SLO gauges stop counting; its counters stay in the sums.
+            # This process's gauges (in flight, and the plugins') stop counting; its counters stay in the sums.
             mark_process_dead(os.getpid(), self.directory)  # type: ignore[no-untyped-call]
+
+
+class Meter:
+    """What a plugin is given to make series of its own in the gateway's registry (runtime.meter)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.registry = metrics.registry
+        self.tenant = metrics.tenant_label  # the bounded tenant label: use it for any tenant-labelled series
+
+    def counter(self, name: str, documentation: str, labels: Iterable[str]) -> Counter:
+        return Counter(name, documentation, tuple(labels), registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: Iterable[str]) -> Gauge:
+        """With several workers a scrape shows the sum over the live ones."""
+        return Gauge(name, documentation, tuple(labels), registry=self.registry, multiprocess_mode="livesum")

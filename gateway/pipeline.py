@@ -160,8 +160,13 @@ class Pipeline:
         try:
             for name, hook in self.on_request:
                 since = time.perf_counter()
-                reply = await hook(ex)
-                ex.mark(name, since)
+                try:
+                    reply = await hook(ex)
+                except errors.GatewayError:
+                    ex.rejected_by = name
+                    raise
+                finally:
+                    ex.mark(name, since)
                 if reply is not None:
                     break
             if reply is None:

@@ -17,14 +17,30 @@ start-up, holding only the plugins that define it, so an unused hook costs nothi
 - `shutdown()`: once, when the gateway stops.
 
 Plugins never call each other; they share data through `ex.state`.
+
+**Config** (the Envoy model: typed per-filter config). A plugin declares its `schema`: the pydantic model of
+its top-level section (under its own name), of the keys it owns under `models.NAME` and `tenants.NAME`, and
+the plugins that must run before it. The loader (gateway/config.py) hands each part of the YAML to its
+plugin's model and constructs the plugin with the result, a `Configured`; a part whose plugin is not
+listed is a config error, never a feature silently off. An optional `check(config, settings, listed)`
+classmethod returns further problems as (YAML path, message) pairs: cross-references the core cannot know.
+
+**Reports.** What telemetry needs from a plugin it says through the Exchange, never through its private
+state: `ex.labels[label] = value` for the metric labels it declares in `schema.labels` (also span
+attributes `sluice.<label>`), `ex.attributes[...]` for extra span attributes. Its own series it makes at
+`startup` through `runtime.meter`. A request a plugin rejects is marked with `ex.rejected_by`.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from gateway.settings import Strict
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -35,8 +51,41 @@ BUILTIN = {
     "cache": "plugins.cache:Cache",
     "slo": "plugins.slo:Slo",
 }
+# Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
+# add_arguments(parser) and main(args) -> exit code, imported only when its command runs.
+BUILTIN_COMMANDS = {"keys": ("plugins.auth.keys", "make gateway keys; add, revoke and list them in Redis")}
 
 Tap = Callable[[bytes], None]
+Problem = tuple[str, str]  # (YAML path, what is wrong there)
+
+
+class Empty(Strict):
+    """A part of the config a plugin does not use: no keys."""
+
+
+SectionT = TypeVar("SectionT", bound=BaseModel)
+ModelT = TypeVar("ModelT", bound=BaseModel)
+TenantT = TypeVar("TenantT", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """What a plugin reads from the config, what it needs of the other plugins, what it reports."""
+
+    section: type[BaseModel] = Empty  # its top-level section, under the plugin's name
+    model: type[BaseModel] = Empty  # the keys it owns under models.NAME
+    tenant: type[BaseModel] = Empty  # the keys it owns under tenants.NAME
+    after: tuple[str, ...] = ()  # plugins that, when listed, must run before it
+    labels: Mapping[str, str] = field(default_factory=dict)  # metric labels it sets per request -> default
+
+
+@dataclass(frozen=True, slots=True)
+class Configured(Generic[SectionT, ModelT, TenantT]):
+    """A plugin's parts of the config, validated: defaults wherever the YAML says nothing."""
+
+    section: SectionT
+    models: Mapping[str, ModelT]  # every model of the config
+    tenants: Mapping[str, TenantT]  # every tenant of the config
 
 
 @dataclass(slots=True)
@@ -74,8 +123,24 @@ class Outcome:
 
 class Plugin(Protocol):
     name: ClassVar[str]
+    schema: ClassVar[Schema]
 
-    def __init__(self, settings: Settings) -> None: ...
+    def __init__(self, config: Configured[Any, Any, Any], settings: Settings) -> None: ...
+
+
+def schema_of(cls: type[Any]) -> Schema:
+    """A plugin class's schema; a plugin that reads no config need not declare one."""
+    schema = getattr(cls, "schema", None)
+    return schema if isinstance(schema, Schema) else Schema()
+
+
+def checks_of(cls: type[Any]) -> Callable[[Configured[Any, Any, Any], Settings, Sequence[str]], Iterable[Problem]]:
+    check = getattr(cls, "check", None)
+    return check if callable(check) else _no_problems
+
+
+def _no_problems(_config: Configured[Any, Any, Any], _settings: Settings, _listed: Sequence[str]) -> Iterable[Problem]:
+    return ()
 
 
 def load_class(spec: str) -> type[Plugin]:
@@ -91,6 +156,8 @@ def load_class(spec: str) -> type[Plugin]:
     cls = getattr(module, attr, None)
     if cls is None:
         raise ValueError(f"plugin {spec!r}: {module_name} has no {attr}")
+    if not isinstance(getattr(cls, "name", None), str):
+        raise ValueError(f"plugin {spec!r}: {attr} has no `name`")
     return cls  # type: ignore[no-any-return]
 
 

@@ -21,8 +21,11 @@ class Runtime:
         self.upstreams = Upstreams(settings)
         # One Redis client per process, shared by every plugin that keeps state across processes.
         self.store = Store(settings.redis.url) if settings.redis.url else None
-        self.plugins: list[Plugin] = [load_class(name)(settings) for name in settings.plugins]
+        self.plugins: list[Plugin] = [
+            load_class(spec)(settings.plugin_config(spec), settings) for spec in settings.plugins
+        ]
         self.telemetry = Telemetry(settings, self.plugins, self.store)
+        self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
         self.pipeline.route = self.responses.route

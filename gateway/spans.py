@@ -45,12 +45,11 @@ REQUEST_FIELDS = (
 class Layout:
     """Where each span of one request starts and ends, in ms from its arrival (perf_counter based)."""
 
-    __slots__ = ("cache", "client_id", "end", "ex", "head", "outcome", "pool", "size", "stages", "upstream")
+    __slots__ = ("client_id", "end", "ex", "head", "outcome", "pool", "size", "stages", "upstream")
 
-    def __init__(self, ex: Exchange, outcome: Outcome, cache: str, client_id: int) -> None:
+    def __init__(self, ex: Exchange, outcome: Outcome, client_id: int) -> None:
         self.ex = ex
         self.outcome = outcome
-        self.cache = cache
         self.client_id = client_id
         self.stages: list[tuple[str, float, float]] = []
         self.upstream: tuple[float, float] | None = None
@@ -141,7 +140,6 @@ class Layout:
             "sluice.request_id": ex.request_id,
             "sluice.tenant": ex.tenant,
             "sluice.model": ex.model,
-            "sluice.cache": self.cache,
             "sluice.source": outcome.source,
             "sluice.overhead_ms": ex.overhead_ms,
         }
@@ -157,9 +155,11 @@ class Layout:
             attributes["sluice.backend"] = ex.served.backend
         if ex.fallback is not None:
             attributes["sluice.fallback"] = ex.fallback
-        slo = ex.state.get("slo")
-        if isinstance(slo, str):
-            attributes["sluice.slo.state"] = slo
+        if ex.rejected_by is not None:
+            attributes["sluice.rejected_by"] = ex.rejected_by
+        for label, value in ex.labels.items():  # what plugins reported, as they declared it
+            attributes[f"sluice.{label}"] = value
+        attributes.update(ex.attributes)
         if outcome.ttft_ms is not None:
             attributes["sluice.ttft_ms"] = outcome.ttft_ms
         if outcome.tpot_ms is not None:

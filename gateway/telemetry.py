@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway import tracecontext
-from gateway.metrics import Metrics, SloSource
+from gateway.metrics import Meter, Metrics
+from gateway.plugin import schema_of
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -34,29 +35,14 @@ def server_timing(timings: list[tuple[str, float]], overhead_ms: float) -> bytes
     return ", ".join(parts).encode()
 
 
-def cache_result(ex: Exchange) -> str:
-    """hit, miss or bypass as the cache plugin left it (its own state object means a miss); none without it."""
-    state = ex.state.get("cache")
-    if state is None:
-        return "none"
-    return state.decode() if isinstance(state, bytes) else "miss"
-
-
-def slo_source(plugins: list[Plugin]) -> SloSource | None:
-    """The plugin named "slo", if it reports its models' states."""
-    for plugin in plugins:
-        states: Any = getattr(plugin, "states", None)
-        if plugin.name == "slo" and callable(states):
-            return plugin  # type: ignore[return-value]
-    return None
-
-
 class Telemetry:
     """One per process: metrics always, tracing when there is a collector to send spans to."""
 
     def __init__(self, settings: Settings, plugins: list[Plugin], store: Store | None = None) -> None:
         self.settings = settings
-        self.metrics = Metrics(settings.telemetry, settings.tenants, slo_source(plugins), store)
+        labels = {name: default for plugin in plugins for name, default in schema_of(type(plugin)).labels.items()}
+        self.metrics = Metrics(settings.telemetry, settings.tenants, labels, store)
+        self.meter = Meter(self.metrics)
         self.tracing_enabled = tracecontext.enabled(settings.telemetry)
         self.tracing: Tracing | None = None
 
@@ -80,10 +66,9 @@ class Telemetry:
     # -- the completion task ------------------------------------------------------------------------------
 
     def complete(self, ex: Exchange, outcome: Outcome) -> None:
-        cache = cache_result(ex)
-        trace_id = self.tracing.record(ex, outcome, cache) if self.tracing is not None else None
+        trace_id = self.tracing.record(ex, outcome) if self.tracing is not None else None
         total_ms = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
-        self.metrics.record(ex, outcome, cache, total_ms, trace_id)
+        self.metrics.record(ex, outcome, total_ms, trace_id)
 
     def rejected(self, status: int) -> None:
         """A request refused before it was routed (bad JSON, unknown model, too large): counted, not traced."""

@@ -23,6 +23,8 @@ def enabled(settings: TelemetrySettings) -> bool:
     """Whether to trace, decided once at start-up: only when there is somewhere to send spans."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
+    if settings.exporter == "zipkin":
+        return bool(settings.zipkin_endpoint)
     return bool(settings.otlp_endpoint or any(os.environ.get(name) for name in ENDPOINT_VARIABLES))
 
 

@@ -5,7 +5,8 @@ On the request path only the trace context is decided (`begin`): the trace id is
 (parent-based, else TraceIdRatio on the trace id, exactly as the SDK's `ParentBased(TraceIdRatioBased)`
 decides) and `ex.traceparent` is set, so that the upstream continues the same trace under the inference span.
 Nothing else happens until the completion task, where `record` lays the spans out on the perf_counter stage
-timings and hands them, already ended, to a BatchSpanProcessor that exports over OTLP/HTTP in its own thread.
+timings and hands them, already ended, to a BatchSpanProcessor that exports them in its own thread: over
+OTLP/HTTP, or to Zipkin's v2 JSON API (`telemetry.exporter: zipkin`).
 
     POST /v1/chat/completions       SERVER  arrival -> last byte
     |-- parse, auth, cache, ...             one per stage in ex.timings, back to back
@@ -72,6 +73,15 @@ def traces_url(settings: TelemetrySettings) -> str | None:
     return base if base.endswith("/v1/traces") else base + "/v1/traces"
 
 
+def span_exporter(settings: TelemetrySettings) -> SpanExporter:
+    """The exporter the config names. Zipkin's is imported only when chosen, as the SDK is only with tracing on."""
+    if settings.exporter == "zipkin":
+        from opentelemetry.exporter.zipkin.json import ZipkinExporter
+
+        return ZipkinExporter(endpoint=settings.zipkin_endpoint)
+    return OTLPSpanExporter(endpoint=traces_url(settings))
+
+
 class HashedResource(Resource):
     """The process's resource, hashed once: the OTLP encoder groups spans by resource and would serialise its
     attributes to hash it again for every span (a fifth of the export's CPU, measured here)."""
@@ -85,7 +95,7 @@ class HashedResource(Resource):
 
 
 class CountingExporter(SpanExporter):
-    """The OTLP exporter, counting what it was handed (for the queue's room) and how each export went."""
+    """The span exporter, counting what it was handed (for the queue's room) and how each export went."""
 
     def __init__(self, inner: SpanExporter, count: SpanCounter) -> None:
         self.inner = inner
@@ -138,7 +148,7 @@ class Tracing:
         attributes["service.instance.id"] = uuid.uuid4().hex  # one per worker process
         self.resource = HashedResource(Resource.create(attributes))
         self.scope = InstrumentationScope("sluice", _package_version())
-        self.exporter = CountingExporter(exporter or OTLPSpanExporter(endpoint=traces_url(telemetry)), count)
+        self.exporter = CountingExporter(exporter or span_exporter(telemetry), count)
         # The queue's size is ours to know, to drop whole traces before it overflows; the delay between exports
         # is the SDK's to read (OTEL_BSP_SCHEDULE_DELAY, 5 s by default).
         self.capacity = bsp_setting("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_QUEUE)
@@ -164,13 +174,13 @@ class Tracing:
 
     # -- the completion task ------------------------------------------------------------------------------
 
-    def record(self, ex: Exchange, outcome: Outcome, cache: str) -> str | None:
+    def record(self, ex: Exchange, outcome: Outcome) -> str | None:
         """Export the request's spans if it was sampled; return its trace id (hex) then, else None."""
         traceparent = ex.traceparent
         if traceparent is None or not traceparent.endswith(b"-01"):
             return None
         trace_hex = traceparent[3:35].decode()
-        layout = Layout(ex, outcome, cache, int(traceparent[36:52], 16))
+        layout = Layout(ex, outcome, int(traceparent[36:52], 16))
         if self.submitted + layout.size - self.exporter.handed > self.capacity:
             self.count("dropped", layout.size)  # the collector is not keeping up: lose this trace, not the loop
             return None

@@ -27,16 +27,18 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import orjson
 from cachetools import TLRUCache
+from pydantic import Field
 
 from gateway import completion
 from gateway.errors import UpstreamError
-from gateway.plugin import Reply, Tap
+from gateway.plugin import Configured, Empty, Reply, Schema, Tap
+from gateway.settings import Strict
 from gateway.store import Store, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -54,6 +56,39 @@ RESPONSES_TRANSPORT_ONLY = TRANSPORT_ONLY - {"store"}
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
 HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
+LABEL = "cache"  # the metric label (and span attribute sluice.cache) this plugin reports: hit|miss|bypass|stale
+
+CacheMode = Literal["deterministic", "always", "off"]
+
+
+class CacheSection(Strict):
+    """`cache:`"""
+
+    ttl_s: float = Field(3600.0, gt=0)
+    l1_entries: int = Field(10000, ge=0)
+    l1_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    max_entry_bytes: int = Field(1024 * 1024, ge=1)  # larger answers are not stored
+    stale_s: float = Field(3600.0, ge=0)  # how long past its TTL an entry may still answer when every target fails
+    mode: CacheMode = "deterministic"
+    max_followers: int = Field(256, ge=0)  # identical in-flight requests sharing one upstream call
+    follower_wait_s: float = Field(30.0, gt=0)  # how long a follower waits for the leader's first byte
+
+
+class ModelCache(Strict):
+    """Per-model overrides of the cache policy."""
+
+    mode: CacheMode | None = None
+    ttl_s: float | None = Field(None, gt=0)
+    shared: bool = False  # entries shared by all tenants (only for models whose answers are not private)
+
+
+class CacheModel(Strict):
+    """Its key under `models.NAME`."""
+
+    cache: ModelCache = ModelCache()
+
+
+Config = Configured[CacheSection, CacheModel, Empty]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +182,13 @@ class Flight:
 
 class Cache:
     name: ClassVar[str] = "cache"
+    # After auth: entries are per tenant. Reports the lookup's result as a metric label.
+    schema: ClassVar[Schema] = Schema(section=CacheSection, model=CacheModel, after=("auth",), labels={LABEL: "none"})
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings.cache
-        base = settings.cache
+    def __init__(self, config: Config, settings: Settings) -> None:
+        self.settings = base = config.section
         self.policies: dict[str, Policy | None] = {}
-        for model, spec in settings.models.items():
+        for model, spec in config.models.items():
             mode = spec.cache.mode or base.mode
             self.policies[model] = (
                 None
@@ -170,9 +206,17 @@ class Cache:
         self.store: Store | None = None
         self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
         self._writes: set[asyncio.Task[None]] = set()
+        self.results: Any = None  # sluice_cache_results_total, made at start-up
+        self.tenant_label: Callable[[str], str] = str
 
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
+        self.tenant_label = runtime.meter.tenant
+        self.results = runtime.meter.counter(
+            "sluice_cache_results_total",
+            "Cache lookups by result (hit, miss, bypass, stale).",
+            ("tenant", "model", "result"),
+        )
 
     async def shutdown(self) -> None:
         for task in list(self._writes):
@@ -195,7 +239,7 @@ class Cache:
             elif entry.fresh:
                 self.stats["hit_l1"] += 1
             if entry is not None and entry.fresh:
-                ex.state["cache"] = HIT
+                _mark(ex, HIT)
                 return self._replay(ex, entry)
         while True:
             flight = self.flights.get(key)
@@ -206,17 +250,19 @@ class Cache:
                 return reply
             if self.flights.get(key) is flight:  # the leader is still running: we waited long enough
                 ex.state["cache"] = Lead(key, policy, None, store=False)
+                ex.labels[LABEL] = "miss"
                 self.stats["miss"] += 1
                 return None
         flight = None if key in self.flights else Flight(ex.stream)
         if flight is not None:
             self.flights[key] = flight
         ex.state["cache"] = Lead(key, policy, flight, store=True)
+        ex.labels[LABEL] = "miss"
         self.stats["miss"] += 1
         return None
 
     def _bypass(self, ex: Exchange) -> None:
-        ex.state["cache"] = BYPASS
+        _mark(ex, BYPASS)
         self.stats["bypass"] += 1
 
     def key(self, ex: Exchange, policy: Policy) -> str:
@@ -235,7 +281,7 @@ class Cache:
                 if not await flight.changed(wait):
                     return None
             if flight.stream and ex.stream and flight.chunks and not (flight.done and flight.failed):
-                ex.state["cache"] = HIT
+                _mark(ex, HIT)
                 self.stats["followed"] += 1
                 return Reply(headers=[SSE_TYPE], stream=flight.follow(), source="cache")
             while not flight.done:
@@ -243,7 +289,7 @@ class Cache:
                     return None
             if flight.entry is None:
                 return None
-            ex.state["cache"] = HIT
+            _mark(ex, HIT)
             self.stats["followed"] += 1
             return self._replay(ex, flight.entry)
         finally:
@@ -285,7 +331,7 @@ class Cache:
         if entry is None:
             return None
         log.info("serving a stale answer for %s: %s", ex.model, error)
-        ex.state["cache"] = STALE
+        _mark(ex, STALE)
         return self._replay(ex, entry)
 
     # on_response / on_complete: collect what the leader got, store it if it is whole
@@ -303,6 +349,9 @@ class Cache:
         return None
 
     async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+        result = ex.labels.get(LABEL)
+        if result is not None and self.results is not None:
+            self.results.labels(self.tenant_label(ex.tenant), ex.model, result).inc()
         state = ex.state.get("cache")
         if not isinstance(state, Lead):
             return
@@ -361,6 +410,11 @@ class Cache:
         assert self.store is not None
         with contextlib.suppress(StoreUnavailable):
             await self.store.execute("SET", key, record, "PX", int(ttl_s * 1000))
+
+
+def _mark(ex: Exchange, result: bytes) -> None:
+    ex.state["cache"] = result
+    ex.labels[LABEL] = result.decode()
 
 
 def _entry(endpoint: str, served: str, answer: dict[str, Any], fresh_until: float, stale_s: float) -> Entry:

@@ -30,21 +30,49 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+from pydantic import Field
 
 from gateway.errors import RateLimitError
-from gateway.settings import ConfigError
+from gateway.plugin import Configured, Empty, Problem, Schema
+from gateway.settings import Strict
 from gateway.store import Script, Store, StoreUnavailable
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Outcome, ResponseHead
     from gateway.runtime import Runtime
-    from gateway.settings import Limits, Settings
+    from gateway.settings import Settings
 
 NAME = "rate_limit"
+
+
+class Limits(Strict):
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+
+class TenantLimits(Limits):
+    models: dict[str, Limits] = Field(default_factory=dict)  # per tenant and model, on top of the tenant-wide limits
+
+
+class RateLimitSection(Strict):
+    """`rate_limit:`"""
+
+    # Tokens reserved at admission for a request that sets no max_tokens; corrected from usage afterwards.
+    default_max_tokens: int = Field(1024, ge=1)
+
+
+class RateLimitTenant(Strict):
+    """Its key under `tenants.NAME`."""
+
+    rate_limit: TenantLimits = TenantLimits()
+
+
+Config = Configured[RateLimitSection, Empty, RateLimitTenant]
 PERIOD_MS = 60_000  # the limits are per minute
 REQUESTS = "requests"
 TOKENS = "tokens"
@@ -295,18 +323,15 @@ def _buckets(limits: Limits, prefix: str, scope: str) -> tuple[Bucket, ...]:
     return tuple(found)
 
 
-def build_plans(settings: Settings) -> dict[tuple[str, str], Plan]:
+def build_plans(config: Config, models: Iterable[str]) -> dict[tuple[str, str], Plan]:
     """A plan for every (tenant, model) that has a limit; a pair without one is unlimited and costs a lookup."""
     plans: dict[tuple[str, str], Plan] = {}
-    for tenant, spec in settings.tenants.items():
+    for tenant, spec in config.tenants.items():
         limits = spec.rate_limit
-        for model in limits.models:
-            if model not in settings.models:
-                raise ConfigError(f"tenants.{tenant}.rate_limit.models.{model}: no model named {model!r}")
         # The {tenant} hash tag keeps one request's keys in one Redis Cluster slot, as the script requires.
         prefix = f"sluice:rl:{{{tenant}}}:"
         tenant_wide = _buckets(limits, prefix, f"tenant {tenant}")
-        for model in settings.models:
+        for model in models:
             per_model = limits.models.get(model)
             buckets = tenant_wide
             if per_model is not None:
@@ -320,15 +345,39 @@ class RateLimit:
     """The plugin: checks and charges in on_request, reports in on_response, corrects in on_complete."""
 
     name: ClassVar[str] = NAME
+    # After auth: a limit is per tenant, and only auth knows who is calling.
+    schema: ClassVar[Schema] = Schema(section=RateLimitSection, tenant=RateLimitTenant, after=("auth",))
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
-        self.plans = build_plans(settings)
-        self.default_max_tokens = settings.rate_limit.default_max_tokens
+    @classmethod
+    def check(cls, config: Config, settings: Settings, listed: Sequence[str]) -> Iterable[Problem]:
+        for tenant, spec in config.tenants.items():
+            for model in spec.rate_limit.models:
+                if model not in settings.models:
+                    yield f"tenants.{tenant}.rate_limit.models.{model}", f"no model named {model!r}"
+            limited = spec.rate_limit.requests_per_minute or spec.rate_limit.tokens_per_minute or spec.rate_limit.models
+            if limited and "auth" not in listed and tenant != "anonymous":
+                yield (
+                    f"tenants.{tenant}.rate_limit",
+                    f"limits tenant {tenant!r}, but without the `auth` plugin (listed before `rate_limit`) every "
+                    "caller is tenant 'anonymous'",
+                )
+
+    def __init__(self, config: Config, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.plans = build_plans(config, settings.models)
+        self.default_max_tokens = config.section.default_max_tokens
         self.local = LocalBuckets(clock)
         self.store: Store | None = None
         self.fallbacks = 0  # checks and corrections made in process because Redis was unavailable
+        self.limited: Any = None  # sluice_rate_limited_total, made at start-up
+        self.tenant_label: Callable[[str], str] = str
 
     async def startup(self, runtime: Runtime) -> None:
+        self.tenant_label = runtime.meter.tenant
+        self.limited = runtime.meter.counter(
+            "sluice_rate_limited_total",
+            "Requests the gateway rejected with 429 before any upstream was tried.",
+            ("tenant", "model"),
+        )
         if runtime.store is None or not self.plans:
             return
         self.store = runtime.store
@@ -343,6 +392,8 @@ class RateLimit:
         reserved, completion = estimate(ex, self.default_max_tokens) if plan.tokens else (0, 0)
         verdict, local = await self._take(plan.keys, plan.check_args(reserved), local=False)
         if not verdict[0]:
+            if self.limited is not None:
+                self.limited.labels(self.tenant_label(ex.tenant), ex.model).inc()
             raise rejection(plan, verdict, reserved)
         ex.state[NAME] = Reservation(plan, verdict, reserved, completion, local)
 

@@ -21,12 +21,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field
+
+from gateway.plugin import Configured, Empty, Problem, Schema
+from gateway.quantiles import percentile
+from gateway.settings import Strict
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Outcome
-    from gateway.settings import Settings, SloSettings
+    from gateway.runtime import Runtime
+    from gateway.settings import Settings
 
 log = logging.getLogger("sluice.slo")
 
@@ -35,6 +43,28 @@ MAX_SAMPLES = 4096  # per window: bounds memory and the cost of a p95 whatever t
 FAILURES = frozenset({408, 429, 500, 502, 503, 504})
 EVALUATE_EVERY_S = 0.2
 HEDGE_WINDOW_S = 60.0
+
+
+class SloSettings(Strict):
+    ttft_p95_ms: float = Field(800.0, gt=0)
+    max_error_rate: float = Field(0.05, ge=0, le=1)
+    window_s: float = Field(30.0, gt=0)
+    min_samples: int = Field(20, ge=1)
+    probe_ratio: float = Field(0.05, ge=0, le=1)  # share of traffic that keeps trying a degraded primary
+    cooldown_s: float = Field(10.0, ge=0)  # the least time spent degraded
+    recovery_samples: int = Field(5, ge=1)  # good probes in a row needed to return
+    recovery_margin: float = Field(0.8, gt=0, le=1)  # probes must beat the SLO by this factor (hysteresis)
+
+
+class SloModel(Strict):
+    """Its keys under `models.NAME`."""
+
+    slo: SloSettings | None = None
+    hedge_after_ms: float | None = Field(None, gt=0)  # race the next target when no first token by then
+    max_hedge_ratio: float = Field(0.1, ge=0, le=1)  # of a tenant's requests to the model, per minute
+
+
+Config = Configured[Empty, SloModel, Empty]
 
 
 class Window:
@@ -57,17 +87,30 @@ class Window:
             samples.popleft()
         if not samples:
             return 0, 0.0, 0.0
-        ttfts = sorted(t for _, t, _ in samples if t is not None)
+        ttfts = [t for _, t, _ in samples if t is not None]
         failed = sum(1 for _, _, f in samples if f)
-        p95 = ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.95))] if ttfts else 0.0
+        p95 = percentile(ttfts, 0.95) if ttfts else 0.0
         return len(samples), p95, failed / len(samples)
 
 
 class ModelSlo:
-    __slots__ = ("dirty", "evaluated", "model", "probes", "requests", "since", "spec", "state", "transitions", "window")
+    __slots__ = (
+        "dirty",
+        "evaluated",
+        "model",
+        "moved",
+        "probes",
+        "requests",
+        "since",
+        "spec",
+        "state",
+        "transitions",
+        "window",
+    )
 
-    def __init__(self, model: str, spec: SloSettings) -> None:
+    def __init__(self, model: str, spec: SloSettings, moved: Callable[[str, str, str], None] | None = None) -> None:
         self.model = model
+        self.moved = moved  # (model, from state, to state), on every transition
         self.spec = spec
         self.state = HEALTHY
         self.since = 0.0
@@ -114,6 +157,8 @@ class ModelSlo:
             self._move(HEALTHY, now, f"{len(recent)} probes in a row under {limit:.0f} ms")
 
     def _move(self, state: str, now: float, why: str) -> None:
+        if self.moved is not None:
+            self.moved(self.model, self.state, state)
         self.state = state
         self.since = now
         self.transitions += 1
@@ -154,25 +199,54 @@ class HedgeBudget:
 
 class Slo:
     name: ClassVar[str] = "slo"
+    schema: ClassVar[Schema] = Schema(model=SloModel)
 
-    def __init__(self, settings: Settings) -> None:
-        self.models = {name: ModelSlo(name, spec.slo) for name, spec in settings.models.items() if spec.slo}
+    @classmethod
+    def check(cls, config: Config, settings: Settings, listed: Sequence[str]) -> Iterable[Problem]:
+        for name, spec in config.models.items():
+            if settings.models[name].fallback:
+                continue
+            if spec.slo is not None:
+                yield f"models.{name}.slo", f"an SLO needs a fallback to degrade to (set models.{name}.fallback)"
+            if spec.hedge_after_ms is not None:
+                yield f"models.{name}.hedge_after_ms", f"hedging needs a fallback to race (set models.{name}.fallback)"
+
+    def __init__(self, config: Config, settings: Settings) -> None:
+        self.models = {
+            name: ModelSlo(name, spec.slo, self._moved) for name, spec in config.models.items() if spec.slo is not None
+        }
         self.hedging = {
             name: (spec.hedge_after_ms, spec.max_hedge_ratio)
-            for name, spec in settings.models.items()
+            for name, spec in config.models.items()
             if spec.hedge_after_ms is not None
         }
         self.budgets: dict[tuple[str, str], HedgeBudget] = {}
+        self.gauge: Any = None
+
+    async def startup(self, runtime: Runtime) -> None:
+        if self.models:
+            self.gauge = runtime.meter.gauge(
+                "sluice_slo_state",
+                "1 for the state each model is in (summed over worker processes), 0 for the others.",
+                ("model", "state"),
+            )
+            for name, slo in self.models.items():
+                self.gauge.labels(name, slo.state).set(1)
 
     def states(self) -> dict[str, str]:
         return {name: slo.state for name, slo in self.models.items()}
+
+    def _moved(self, model: str, before: str, after: str) -> None:
+        if self.gauge is not None:
+            self.gauge.labels(model, before).set(0)
+            self.gauge.labels(model, after).set(1)
 
     async def on_request(self, ex: Exchange) -> None:
         slo = self.models.get(ex.model)
         if slo is not None:
             if slo.dirty:
                 slo.maybe_evaluate(time.monotonic())
-            ex.state["slo"] = slo.state
+            ex.attributes["sluice.slo.state"] = slo.state
             if slo.state == DEGRADED and not slo.is_probe() and len(ex.targets) > 1:
                 ex.targets = [*ex.targets[1:], ex.targets[0]]
                 ex.fallback = "slo"

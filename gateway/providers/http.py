@@ -18,6 +18,7 @@ import orjson
 
 from gateway.http2 import Http2Client
 from gateway.pool import Pool, PoolError, PoolLimits
+from gateway.settings import ConfigError
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
@@ -33,9 +34,13 @@ def header_lines(headers: dict[str, str]) -> bytes:
     return b"".join(f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items())
 
 
-def tls_context(backend: RemoteBackend) -> ssl.SSLContext:
+def tls_context(name: str, backend: RemoteBackend) -> ssl.SSLContext:
     """Built once per backend: the handshake is paid at warm-up, the context's set-up never again."""
-    context = ssl.create_default_context(cafile=backend.tls.ca_file)
+    try:
+        context = ssl.create_default_context(cafile=backend.tls.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"backends.{name}.tls.ca_file: cannot load {backend.tls.ca_file}: {reason}") from None
     if not backend.tls.verify:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
@@ -64,7 +69,7 @@ class HttpProvider:
         static.update(self.auth_headers(backend.api_key))
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
-        self.ssl = tls_context(backend) if self.url.startswith("https://") else None
+        self.ssl = tls_context(name, backend) if self.url.startswith("https://") else None
         self.http2 = pool.http2
         self.pool: Pool | None = None
         self.client: Pool | Http2Client | None = None

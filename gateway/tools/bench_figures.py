@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TypeVar
 
+from gateway.quantiles import percentile
 from gateway.tools.bench_load import Run, Samples
 
 SATURATED_PERCENT = 90.0
@@ -93,16 +94,6 @@ class Check:
     value: float
     unit: str
     met: bool
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def pooled(rounds: list[list[T]]) -> list[T]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from gateway.pool import Pool, PoolError, PoolLimits
+from gateway.streaming import FIRST_TOKEN
 from gateway.tools.bench_fleet import BenchError, Child
 
 JSON_HEADERS = b"content-type: application/json\r\n"
@@ -31,7 +32,6 @@ CACHE_HEADER = b"x-sluice-cache"
 # millisecond-granular timer, which would round away part of the gateway's request path.
 STREAM_PATH = b"/v1/completions"
 PLAIN_PATH = b"/v1/chat/completions"
-TOKEN = re.compile(rb'"(?:text|content)":"[^"]')  # a non-empty token; role-only and final events have ""
 PROMPTS = ("Tell me about rivers.", "Say something calm.", "Describe the sea.", "Name a colour.")
 CLIENT_LIMITS = PoolLimits(
     max_connections=1024,
@@ -53,7 +53,7 @@ class Workload:
     stream: bool
     headers: bytes = JSON_HEADERS
     method: bytes = b"POST"
-    answer: re.Pattern[bytes] = TOKEN  # what a good answer (a stream: a chunk) holds; its first one is timed
+    answer: re.Pattern[bytes] = FIRST_TOKEN  # what a good answer (a stream: a chunk) holds; its first one is timed
 
 
 @dataclass(frozen=True, slots=True)

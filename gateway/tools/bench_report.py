@@ -148,11 +148,12 @@ def sections(report: Report) -> list[str]:
 
 
 def peers() -> list[str]:
-    """The peers' figures from bench/peers.md, when the source tree is at hand."""
-    with contextlib.suppress(BenchError, OSError):
-        text = bench_file("peers.md").read_text().strip()
-        return [text, ""]
-    return []
+    """Figures measured apart from the run (bench/peers.md, bench/redis_client.md), when the source tree is at hand."""
+    found: list[str] = []
+    for name in ("peers.md", "redis_client.md"):
+        with contextlib.suppress(BenchError, OSError):
+            found += [bench_file(name).read_text().strip(), ""]
+    return found
 
 
 def notes(report: Report) -> list[str]:

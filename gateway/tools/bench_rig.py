@@ -48,7 +48,7 @@ from gateway.tools.bench_load import (
     open_loop,
     wait_ready,
 )
-from gateway.tools.keys import new_key
+from plugins.auth.keys import new_key
 
 T = TypeVar("T")
 START_TIMEOUT_S = 30.0

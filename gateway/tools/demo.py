@@ -28,7 +28,8 @@ import httpx
 import uvicorn
 
 from gateway.app import SERVER_OPTIONS, Gateway, create_app
-from gateway.settings import parse
+from gateway.config import parse
+from gateway.quantiles import percentile
 from gateway.simulation import Profile
 from gateway.tools import sim
 
@@ -47,7 +48,6 @@ models:
     slo: {{ttft_p95_ms: {slo}, window_s: 5, min_samples: 8, probe_ratio: 0.1, cooldown_s: 4, recovery_samples: 3}}
   chat-small: {{backend: small}}
 plugins: [cache, slo]
-auth: {{required: false}}
 """
 REPEATED = ("What does a sluice do?", "Name three rivers.", "Why is the sea salty?", "Say hello.")
 MIN_DURATION_S = 15.0  # below this, detection, the cool-down and the recovery probes do not fit in the run
@@ -297,15 +297,8 @@ def paint(state: str, colour: bool) -> str:
     return f"\033[{code}m{state}\033[0m"
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
 def ms(value: float | None, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:.{digits}f} ms"
+    return "-" if value is None or math.isnan(value) else f"{value:.{digits}f} ms"
 
 
 # The summary

@@ -22,6 +22,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.pool import Origin
+from gateway.streaming import FIRST_TOKEN
+
 USER_AGENT = "sluice-probe"
 # Azure OpenAI takes its key in `api-key`; every other OpenAI-compatible server in `Authorization`.
 AZURE_HOST_SUFFIXES = (".openai.azure.com", ".cognitiveservices.azure.com", ".services.ai.azure.com")
@@ -47,11 +50,9 @@ class Endpoint:
 
     @classmethod
     def parse(cls, url: str, key: str | None) -> Endpoint:
+        origin = Origin.from_url(url)
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) base URL: {url!r}")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), parts.query, key)
+        return cls(origin.scheme, origin.host, origin.port, parts.path.rstrip("/"), parts.query, key)
 
     @property
     def url(self) -> str:
@@ -181,16 +182,8 @@ class _Answer:
             self.error = self.error or f"an event is not a JSON object: {data[:120]!r}"
         elif "error" in payload:
             self.error = self.error or f"error event in the stream: {_message(payload)}"
-        elif any(_content(choice) for choice in payload.get("choices") or ()):
+        elif FIRST_TOKEN.search(data):  # what the gateway counts as a token: text, a tool call, reasoning
             self.token_times.append(self.now)
-
-
-def _content(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-    return isinstance(text, str) and text != ""
 
 
 def _message(payload: dict[str, Any]) -> str:

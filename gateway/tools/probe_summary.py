@@ -7,11 +7,11 @@ token, split into the stages the diagnosis reasons about; the largest of them is
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.quantiles import percentile
 from gateway.tools.probe_client import Sample
 
 PHASES = ("dns_ms", "connect_ms", "tls_ms", "sent_ms", "ttfb_ms", "ttft_ms", "tpot_ms", "total_ms")
@@ -36,15 +36,6 @@ class Stat:
 
     def as_json(self) -> dict[str, float | int]:
         return {"p50": round(self.p50, 3), "p90": round(self.p90, 3), "max": round(self.max, 3), "n": self.n}
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks, as numpy's default does."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _p50(values: Iterable[float | None]) -> float | None:

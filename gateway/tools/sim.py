@@ -9,6 +9,9 @@ Routes: `POST /v1/{chat/completions,completions,embeddings,responses}` (also und
 `GET /health` and `GET /healthz`. The headers `x-sim-ttft-ms`, `x-sim-tpot-ms` and `x-sim-tokens` override
 the profile for one request; every response carries `x-sim-requests`, the number of model calls (chat,
 completions, embeddings) this server has received so far.
+
+Replicas with batching, a queue and a prefix cache, and stand-ins for vLLM, TGI, llama.cpp and Ollama
+(`sluice sim --replicas/--like`), are `gateway.tools.sim_fleet`.
 """
 
 from __future__ import annotations

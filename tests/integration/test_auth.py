@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.tools.keys import add, new_key, revoke
+from plugins.auth.keys import add, new_key, revoke
 from tests.support.gateway import gateway_process, gateway_thread
 from tests.support.redis import RedisServer
 

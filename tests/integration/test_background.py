@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.tools.keys import new_key
+from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream, Stall

@@ -28,10 +28,45 @@ def test_bad_config_stops_serve_with_one_line(tmp_path: Path) -> None:
     path.write_text("backends: {s: {type: simulated}}\nmodels: {m: {backend: missing}}\n")
     for command in ("check", "serve"):
         result = sluice(command, "-c", str(path))
-        assert result.returncode != 0
+        assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1, result.stderr
         assert "models.m.backend" in lines[0] and str(path) in lines[0]
+
+
+BAD = """
+backends: {s: {type: simulated}, tls: {type: openai, base_url: "https://x.test/v1", tls: {ca_file: /nowhere.pem}}}
+models: {chat: {backend: s}}
+tenants: {a: {rate_limit: {models: {chta: {requests_per_minute: 1}}}}}
+plugins: [auth, rate_limit, cahce]
+"""
+
+
+def test_check_and_serve_say_the_same_lines_for_every_problem(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(BAD)
+    said = []
+    for command in ("check", "serve"):
+        result = sluice(command, "-c", str(path))
+        assert result.returncode == 2 and "Traceback" not in result.stderr and not result.stdout
+        said.append(result.stderr.splitlines())
+    assert (
+        said[0]
+        == said[1]
+        == [
+            f"sluice: config error: {path}: plugins[2]: unknown plugin 'cahce' (did you mean `cache`?)",
+            f"sluice: config error: {path}: tenants.a.rate_limit.models.chta: no model named 'chta'",
+        ]
+    )
+    # Once the config parses, what only building it finds (a CA file that is not there) is said the same way.
+    path.write_text(BAD.replace(", cahce", "").replace("chta", "chat"))
+    for command in ("check", "serve"):
+        result = sluice(command, "-c", str(path))
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert result.stderr.splitlines() == [
+            f"sluice: config error: {path}: backends.tls.tls.ca_file: cannot load /nowhere.pem: "
+            "No such file or directory"
+        ]
 
 
 def test_serve_with_two_workers(tmp_path: Path) -> None:

@@ -116,7 +116,6 @@ def test_a_bug_in_a_plugin_is_a_500_in_openai_format() -> None:
     config = """
 backends: {sim: {type: simulated, ttft_ms: 1, tpot_ms: 0, tokens: 2}}
 models: {m: {backend: sim}}
-auth: {required: false}
 plugins: ["tests.support.plugins:Broken"]
 """
     with gateway_thread(config) as gw:

@@ -41,7 +41,6 @@ pool: {{warm_connections: 2}}
 models:
   gpt: {{backend: oa, upstream_model: gpt-4o-mini}}
   same: {{backend: oa}}
-auth: {{required: false}}
 """
 
 
@@ -152,7 +151,6 @@ backends:
 models:
   chat: {{backend: az, upstream_model: my-deployment}}
   chat1: {{backend: az1, upstream_model: my-deployment}}
-auth: {{required: false}}
 """
         with gateway_thread(config) as gw:
             azure = openai.AzureOpenAI(azure_endpoint=gw.url, api_version="2024-10-21", api_key="client", max_retries=0)
@@ -182,7 +180,6 @@ backends:
   v: {{type: vllm, base_url: "{up.url}/v1"}}
 models:
   llama: {{backend: v, upstream_model: meta-llama/Llama-3.1-8B-Instruct}}
-auth: {{required: false}}
 """
         with gateway_thread(config) as gw:
             assert client(gw).chat.completions.create(model="llama", messages=MESSAGES).choices
@@ -236,7 +233,6 @@ def test_no_upstream_at_all_is_502() -> None:
 backends:
   oa: {type: openai, base_url: "http://127.0.0.1:9/v1"}
 models: {gpt: {backend: oa}}
-auth: {required: false}
 pool: {warm_connections: 0}
 """
     with gateway_thread(config) as gw:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.tools.keys import new_key
+from plugins.auth.keys import new_key
 from tests.integration.test_telemetry import OtlpReceiver, children, metric, scrape
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream, Status
@@ -253,7 +253,6 @@ backends:
   sim: {type: simulated, ttft_ms: 10, tpot_ms: 1, tokens: 5}
 models:
   m: {backend: sim}
-auth: {required: false}
 """
     with gateway_thread(text) as gw:
         client = sdk(gw, "none")

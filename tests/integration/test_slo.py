@@ -37,7 +37,6 @@ pool: {{warm_connections: 1}}
 models:
   chat-large: {{backend: big, upstream_model: large, fallback: [chat-small] {large_extra}}}
   chat-small: {{backend: little, upstream_model: small}}
-auth: {{required: false}}
 plugins: [slo]
 {top}
 """

@@ -1,4 +1,4 @@
-"""The shared Redis client: bursts wait for a connection, a dead Redis fails fast and opens the breaker."""
+"""The shared Redis client: bursts are pipelined on a few connections, a dead Redis fails fast and opens the breaker."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from gateway.store import Store, StoreUnavailable
 from tests.support.redis import RedisServer
 
 
-async def test_a_burst_larger_than_the_pool_waits_instead_of_failing(redis_server: RedisServer) -> None:
-    store = Store(redis_server.url, max_connections=4)
+async def test_a_burst_is_pipelined_on_a_few_connections_instead_of_failing(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url, connections=2)
     try:
         results = await asyncio.gather(*(store.execute("SET", f"k{i}", "v") for i in range(64)), return_exceptions=True)
         assert not [r for r in results if isinstance(r, BaseException)]
         assert store.failures == 0 and store.available
+        clients = redis_server.client().client_list()
+        assert len(clients) <= 3  # the store's two connections and this one
     finally:
         await store.aclose()
 

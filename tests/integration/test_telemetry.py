@@ -28,7 +28,7 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.tools.keys import new_key
+from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, free_port, gateway_process, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream, Status
 

@@ -24,7 +24,6 @@ backends:
   secure: {{type: vllm, base_url: "https://localhost:{port}/v1", tls: {tls}}}
 pool: {{warm_connections: 2}}
 models: {{m: {{backend: secure}}}}
-auth: {{required: false}}
 """
 
 
@@ -103,7 +102,6 @@ backends:
   h2: {{type: openai, base_url: "https://localhost:{port}/v1", tls: {{ca_file: "{tmp_path / "ca.pem"}"}}}}
 pool: {{http2: true, warm_connections: 1}}
 models: {{m: {{backend: h2}}}}
-auth: {{required: false}}
 """
         with gateway_thread(text) as gw:
             body = {"model": "m", "messages": MESSAGES, "stream": True}

@@ -16,7 +16,7 @@ import httpx
 import uvicorn
 
 from gateway.app import SERVER_OPTIONS, create_app
-from gateway.settings import parse
+from gateway.config import parse
 
 
 def free_port() -> int:

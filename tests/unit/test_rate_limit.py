@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import pytest
 
+from gateway.config import parse
 from gateway.context import Exchange
 from gateway.errors import RateLimitError
 from gateway.plugin import Outcome, ResponseHead
-from gateway.runtime import Runtime
-from gateway.settings import ConfigError, parse
+from gateway.settings import ConfigError
 from gateway.store import Store
 from plugins.rate_limit import (
     PERIOD_MS,
@@ -23,6 +22,7 @@ from plugins.rate_limit import (
     go_duration,
 )
 from tests.support.gateway import free_port
+from tests.support.plugins import make, runtime
 
 CONFIG = """
 backends: {sim: {type: simulated}}
@@ -31,6 +31,8 @@ models:
   chat-small: {backend: sim}
   embed: {backend: sim}
 rate_limit: {default_max_tokens: 100}
+auth: {required: false}
+plugins: [auth, rate_limit]
 tenants:
   acme: {rate_limit: {requests_per_minute: 3}}
   tokenco: {rate_limit: {tokens_per_minute: 2000}}
@@ -58,8 +60,8 @@ def exchange(tenant: str, model: str = "chat-small", endpoint: str = "chat/compl
 
 
 async def limiter(clock: Clock, config: str = CONFIG) -> RateLimit:
-    plugin = RateLimit(parse(config), clock=clock)
-    await plugin.startup(cast(Runtime, SimpleNamespace(store=None)))
+    plugin = make(RateLimit, parse(config), clock=clock)
+    await plugin.startup(runtime())
     return plugin
 
 
@@ -310,14 +312,14 @@ def test_estimate() -> None:
 def test_a_limit_for_an_unknown_model_is_a_config_error() -> None:
     config = CONFIG + "  typo: {rate_limit: {models: {chat-lrage: {requests_per_minute: 1}}}}\n"
     with pytest.raises(ConfigError, match=r"tenants\.typo\.rate_limit\.models\.chat-lrage: no model named"):
-        RateLimit(parse(config))
+        parse(config)
 
 
 async def test_redis_unreachable_fails_open_to_the_process() -> None:
     store = Store(f"redis://127.0.0.1:{free_port()}/0")
-    plugin = RateLimit(parse(CONFIG))
+    plugin = make(RateLimit, parse(CONFIG))
     try:
-        await plugin.startup(cast(Runtime, SimpleNamespace(store=store)))
+        await plugin.startup(runtime(store))
         for _ in range(3):
             await plugin.on_request(exchange("acme"))
         await refused(plugin, exchange("acme"))  # the process still limits

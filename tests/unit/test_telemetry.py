@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -20,11 +22,13 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import tracecontext
+from gateway.config import parse
 from gateway.context import Exchange
 from gateway.metrics import Metrics, TenantLabels
 from gateway.plugin import Outcome
-from gateway.settings import Settings, TelemetrySettings, parse
-from gateway.telemetry import cache_result, server_timing
+from gateway.runtime import Runtime
+from gateway.settings import Settings, TelemetrySettings
+from gateway.telemetry import server_timing
 from gateway.tracing import Tracing, traces_url
 from gateway.upstream import Upstreams
 
@@ -37,7 +41,7 @@ models:
   chat-large: {backend: up, upstream_model: large, fallback: [chat-small]}
   chat-small: {backend: sim, upstream_model: small}
 tenants:
-  acme: {keys: []}
+  acme: {}
 telemetry: {otlp_endpoint: "http://collector:4318", service_name: sluice-test, sample_ratio: 1.0}
 """
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -102,7 +106,7 @@ def served(ex: Exchange, upstreams: Upstreams, model: str = "chat-large") -> Non
     ex.overhead_ms = 0.5
     ex.served = upstreams.targets[model]
     ex.attempts = [(model, 50.0, 0)]
-    ex.state["cache"] = object()  # the cache plugin's own state object: a miss
+    ex.labels["cache"] = "miss"  # as the cache plugin reports a miss
 
 
 def finished(stream: bool = True) -> Outcome:
@@ -238,7 +242,7 @@ def test_spans_of_a_streamed_upstream_answer(
     tracing.begin(ex)
     served(ex, upstreams)
     assert ex.traceparent is not None
-    trace_id = tracing.record(ex, finished(), "miss")
+    trace_id = tracing.record(ex, finished())
     assert trace_id == ex.traceparent[3:35].decode()
     tracing.processor.force_flush()
     spans = by_name(memory.get_finished_spans())
@@ -325,7 +329,7 @@ def test_spans_of_a_fallback(traced: tuple[Tracing, InMemorySpanExporter, Fates]
     ex.fallback = "error"
     outcome = finished()
     outcome.ttft_ms, outcome.tpot_ms = 200.0, None
-    tracing.record(ex, outcome, "miss")
+    tracing.record(ex, outcome)
     tracing.processor.force_flush()
     spans = by_name(memory.get_finished_spans())
     assert "stream" not in spans  # a whole answer: the body came with the upstream wait
@@ -348,9 +352,9 @@ def test_spans_of_a_cache_hit(traced: tuple[Tracing, InMemorySpanExporter, Fates
     tracing.begin(ex)
     ex.timings = [("parse", 0.1), ("auth", 0.05), ("cache", 0.3)]
     ex.overhead_ms = 0.6
-    ex.state["cache"] = b"hit"
+    ex.labels["cache"] = "hit"
     outcome = Outcome(status=200, complete=True, total_ms=1.5, source="cache")
-    tracing.record(ex, outcome, "hit")
+    tracing.record(ex, outcome)
     tracing.processor.force_flush()
     spans = by_name(memory.get_finished_spans())
     assert set(spans) == {"POST /v1/chat/completions", "parse", "auth", "cache", "stream"}
@@ -370,7 +374,7 @@ def test_spans_of_an_upstream_failure(
     ex.overhead_ms = 0.3
     ex.attempts = [("chat-small", 5.0, 503)]
     outcome = Outcome(status=503, error="upstream unavailable", total_ms=6.0, source="error")
-    tracing.record(ex, outcome, "none")
+    tracing.record(ex, outcome)
     tracing.processor.force_flush()
     spans = by_name(memory.get_finished_spans())
     assert set(spans) == {"POST /v1/chat/completions", "parse", "chat chat-small", "upstream"}
@@ -391,7 +395,7 @@ def test_unsampled_requests_build_nothing(settings: Settings, upstreams: Upstrea
         tracing.begin(ex)
         assert ex.traceparent is not None and ex.traceparent.endswith(b"-00")  # still propagated upstream
         served(ex, upstreams)
-        assert tracing.record(ex, finished(), "miss") is None
+        assert tracing.record(ex, finished()) is None
         tracing.processor.force_flush()
         assert memory.get_finished_spans() == ()
     finally:
@@ -410,7 +414,7 @@ def test_a_full_queue_drops_whole_traces(
             ex = exchange(upstreams)
             tracing.begin(ex)
             served(ex, upstreams)
-            tracing.record(ex, finished(), "miss")
+            tracing.record(ex, finished())
         assert fates.counts == {"dropped": 14}  # 7 fit, the next two traces of 7 do not
         tracing.processor.force_flush()
         assert len(memory.get_finished_spans()) == 7
@@ -420,14 +424,6 @@ def test_a_full_queue_drops_whole_traces(
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------
-
-
-class FakeSlo:
-    def __init__(self) -> None:
-        self.now: dict[str, str | int] = {"chat-large": "healthy"}
-
-    def states(self) -> dict[str, str | int]:
-        return dict(self.now)
 
 
 class FakeStore:
@@ -449,15 +445,15 @@ def value(found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str
 
 
 def test_metrics_record_a_request(settings: Settings, upstreams: Upstreams) -> None:
-    slo, store = FakeSlo(), FakeStore()
-    metrics = Metrics(settings.telemetry, settings.tenants, slo, store)  # type: ignore[arg-type]
+    store = FakeStore()
+    metrics = Metrics(settings.telemetry, settings.tenants, {"cache": "none"}, store)  # type: ignore[arg-type]
     ex = exchange(upstreams)
     metrics.begin(ex)
     assert value(samples(metrics), "sluice_inflight_requests", stream="true") == 1
     served(ex, upstreams)
     ex.fallback = "slo"
     store.failures = 3
-    metrics.record(ex, finished(), "miss", 200.0, None)
+    metrics.record(ex, finished(), 200.0, None)
     found = samples(metrics)
     labels = {"tenant": "acme", "model": "chat-large", "served_model": "chat-large", "backend": "up"}
     assert value(found, "sluice_requests_total", status="200", stream="true", cache="miss", **labels) == 1
@@ -470,31 +466,26 @@ def test_metrics_record_a_request(settings: Settings, upstreams: Upstreams) -> N
     assert value(found, "sluice_overhead_seconds_bucket", le="0.00025", **labels) == 0
     assert value(found, "sluice_tokens_total", direction="input", **labels) == 7
     assert value(found, "sluice_tokens_total", direction="output", **labels) == 11
-    assert value(found, "sluice_cache_results_total", result="miss") == 1
     assert value(found, "sluice_fallbacks_total", reason="slo", served_model="chat-large") == 1
     assert value(found, "sluice_redis_failures_total") == 3
     assert value(found, "sluice_inflight_requests") == 0
-    assert value(found, "sluice_slo_state", model="chat-large", state="healthy") == 1
-    slo.now["chat-large"] = "degraded"
-    found = samples(metrics)
-    assert value(found, "sluice_slo_state", model="chat-large", state="healthy") == 0
-    assert value(found, "sluice_slo_state", model="chat-large", state="degraded") == 1
 
 
 def test_rate_limit_rejections_and_client_gone(settings: Settings, upstreams: Upstreams) -> None:
     metrics = Metrics(settings.telemetry, settings.tenants)
     rejected = exchange(upstreams)
+    rejected.rejected_by = "rate_limit"
     metrics.begin(rejected)
-    metrics.record(rejected, Outcome(status=429, error="rate limited", source="error"), "none", 0.3, None)
+    metrics.record(rejected, Outcome(status=429, error="rate limited", source="error"), 0.3, None)
     upstream_429 = exchange(upstreams)
     metrics.begin(upstream_429)
     upstream_429.attempts = [("chat-large", 3.0, 429), ("chat-small", 2.0, 429)]
-    metrics.record(upstream_429, Outcome(status=429, error="busy", source="error"), "none", 5.0, None)
+    metrics.record(upstream_429, Outcome(status=429, error="busy", source="error"), 5.0, None)
     gone = exchange(upstreams)
     metrics.begin(gone)
-    metrics.record(gone, Outcome(status=0, client_gone=True), "none", 40.0, None)
+    metrics.record(gone, Outcome(status=0, client_gone=True), 40.0, None)
     found = samples(metrics)
-    assert value(found, "sluice_rate_limited_total", tenant="acme", model="chat-large") == 1
+    assert value(found, "sluice_plugin_rejections_total", tenant="acme", plugin="rate_limit", status="429") == 1
     assert value(found, "sluice_requests_total", status="429") == 2
     assert value(found, "sluice_requests_total", status="499") == 1
     assert value(found, "sluice_overhead_seconds_count") == 0  # no head was ever sent
@@ -513,7 +504,7 @@ def test_exemplars_carry_the_trace_id_in_openmetrics(settings: Settings, upstrea
     ex = exchange(upstreams)
     metrics.begin(ex)
     served(ex, upstreams)
-    metrics.record(ex, finished(), "miss", 200.0, TRACE)
+    metrics.record(ex, finished(), 200.0, TRACE)
     body, content_type = metrics.exposition("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     exemplars = {
@@ -532,12 +523,7 @@ def test_exemplars_carry_the_trace_id_in_openmetrics(settings: Settings, upstrea
     assert b"trace_id" not in metrics.exposition("text/plain")[0]  # the classic format has no exemplars
 
 
-def test_cache_result_and_server_timing(upstreams: Upstreams) -> None:
-    ex = exchange(upstreams)
-    assert cache_result(ex) == "none"
-    for state, result in ((b"hit", "hit"), (b"bypass", "bypass"), (b"miss", "miss"), (object(), "miss")):
-        ex.state["cache"] = state
-        assert cache_result(ex) == result
+def test_server_timing() -> None:
     assert server_timing([("parse", 0.02), ("upstream", 152.3041)], 0.31) == (
         b"parse;dur=0.020, upstream;dur=152.304, overhead;dur=0.310"
     )
@@ -634,7 +620,7 @@ def test_the_dockerfile_serves_the_mounted_config() -> None:
     assert json.loads(cmd[4:]) == ["sluice", "serve", "-c", "/etc/sluice/gateway.yaml", "--host", "0.0.0.0"]
 
 
-def test_grafana_is_provisioned_with_the_dashboard(settings: Settings) -> None:
+def test_grafana_is_provisioned_with_the_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
     datasources = load_yaml("config/grafana/provisioning/datasources/datasources.yaml")["datasources"]
     uids = {source["type"]: source["uid"] for source in datasources}
     assert set(uids) == {"prometheus", "jaeger"}
@@ -646,20 +632,19 @@ def test_grafana_is_provisioned_with_the_dashboard(settings: Settings) -> None:
 
     dashboard = json.loads((ROOT_DIR / "config/grafana/dashboards/sluice.json").read_text())
     # Every series a panel asks for is one the gateway exports, with labels it has.
-    metrics = Metrics(settings.telemetry, settings.tenants)
-    exported: dict[str, set[str]] = {}
-    for family in metrics.registry.collect():
-        for sample in family.samples:
-            exported.setdefault(sample.name, set())
-    for collector in (metrics.ttft, metrics.tpot, metrics.duration, metrics.upstream, metrics.overhead):
-        for suffix in ("_bucket", "_count", "_sum"):
-            exported[collector._name + suffix] = {*collector._labelnames, "le"}
-    for collector in (metrics.requests, metrics.tokens, metrics.cache, metrics.fallbacks, metrics.rate_limited):
-        exported[collector._name + "_total"] = set(collector._labelnames)
-    exported["sluice_redis_failures_total"] = set()
-    exported["sluice_trace_spans_total"] = {"result"}
-    exported["sluice_inflight_requests"] = {"stream"}
-    exported["sluice_slo_state"] = {"model", "state"}
+    # The series the gateway and its plugins export with the compose stack's config, the plugins' own included.
+    for name in ("REDIS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "VLLM_BASE_URL", "VLLM_MODEL", "SLUICE_SAMPLE_RATIO"):
+        monkeypatch.delenv(name, raising=False)
+    built = Runtime(parse((ROOT_DIR / "config/compose.yaml").read_text(), "config/compose.yaml"))
+    for plugin in built.plugins:
+        if plugin.name != "auth":  # its start-up subscribes to Redis; it makes no series
+            stub = cast("Runtime", SimpleNamespace(store=None, meter=built.meter))
+            asyncio.run(plugin.startup(stub))  # type: ignore[attr-defined]
+    registry: Any = built.telemetry.metrics.registry
+    exported = {
+        name: {*getattr(collector, "_labelnames", ()), "le"}
+        for name, collector in registry._names_to_collectors.items()
+    }
     titles = []
     for panel in dashboard["panels"]:
         if panel["type"] == "row":

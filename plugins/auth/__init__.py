@@ -14,18 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import orjson
 import redis.asyncio as aioredis
 from cachetools import TTLCache
+from pydantic import Field
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
+from gateway.plugin import Configured, Empty, Problem, Schema
+from gateway.settings import Strict
 from gateway.store import Store, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -39,6 +44,20 @@ KEYS_HASH = "sluice:keys"
 CHANNEL = "sluice:keys"
 ANONYMOUS = "anonymous"
 CACHE_SIZE = 100_000
+
+
+class AuthSection(Strict):
+    """`auth:`"""
+
+    required: bool = True  # false: a request without a known key is served as tenant "anonymous"
+    cache_ttl_s: float = Field(30.0, gt=0)  # how long a key looked up in Redis (or found missing) is trusted
+
+
+class AuthTenant(Strict):
+    """Its keys under `tenants.NAME`."""
+
+    keys: list[Annotated[str, Field(pattern=r"^sha256:[0-9a-fA-F]{64}$")]] = Field(default_factory=list)
+    models: list[str] | None = None  # the models the tenant may use; None: every model
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +84,22 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 class Auth:
     name: ClassVar[str] = "auth"
+    schema: ClassVar[Schema] = Schema(section=AuthSection, tenant=AuthTenant)
 
-    def __init__(self, settings: Settings) -> None:
-        self.required = settings.auth.required
-        self.ttl = settings.auth.cache_ttl_s
+    @classmethod
+    def check(
+        cls, config: Configured[AuthSection, Empty, AuthTenant], settings: Settings, listed: Sequence[str]
+    ) -> Iterable[Problem]:
+        for tenant, spec in config.tenants.items():
+            for model in spec.models or ():
+                if model not in settings.models:
+                    yield f"tenants.{tenant}.models", f"no model named {model!r}"
+
+    def __init__(self, config: Configured[AuthSection, Empty, AuthTenant], settings: Settings) -> None:
+        self.required = config.section.required
+        self.ttl = config.section.cache_ttl_s
         self.configured: dict[str, Principal] = {}
-        for tenant, spec in settings.tenants.items():
+        for tenant, spec in config.tenants.items():
             models = frozenset(spec.models) if spec.models is not None else None
             for key in spec.keys:
                 self.configured[key.removeprefix("sha256:").lower()] = Principal(tenant, models)
@@ -83,7 +112,7 @@ class Auth:
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
         if self.store is not None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen(self.store.url))
+            self._listener = asyncio.get_running_loop().create_task(self._listen(self.store.node_urls))
 
     async def shutdown(self) -> None:
         if self._listener is not None:
@@ -159,9 +188,12 @@ class Auth:
             log.warning("key sha256:%s... has a malformed record in redis; refusing it", hexdigest[:8])
             return None
 
-    async def _listen(self, url: str) -> None:
-        """Drop cached entries named on the channel; after any gap in the subscription, drop them all."""
-        while True:
+    async def _listen(self, urls: list[str]) -> None:
+        """Drop cached entries named on the channel; after any gap in the subscription, drop them all.
+
+        On a cluster, one node's subscription hears every PUBLISH; after a failure the next seed is tried.
+        """
+        for url in itertools.cycle(urls):
             client = aioredis.Redis.from_url(url, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:

@@ -6,13 +6,18 @@ A key is shown once, when made; only its sha256 is ever stored. Changes are publ
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import secrets
 import sys
 
 import orjson
 import redis
+import redis.cluster
 
+from gateway.config import load
+from gateway.resp import node_urls
+from gateway.settings import ConfigError
 from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
 
 PREFIX = "sk-sluice-"
@@ -33,9 +38,11 @@ def hex_digest(key: str | None, hashed: str | None) -> str:
     sys.exit("sluice keys: give --key KEY or --hash sha256:<64 hex digits>")
 
 
-def client(url: str) -> redis.Redis:
+def client(url: str) -> redis.Redis | redis.cluster.RedisCluster:
     if not url:
         sys.exit("sluice keys: no Redis configured: pass --redis URL or a config with redis.url")
+    if url.partition("://")[0].lower().endswith("+cluster"):  # redis-py finds the others from one seed
+        return redis.cluster.RedisCluster.from_url(node_urls(url)[0], socket_timeout=2, socket_connect_timeout=2)
     return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
@@ -72,3 +79,43 @@ def list_keys(url: str) -> None:
         record = orjson.loads(value)
         models = ",".join(record.get("models") or []) or "*"
         print(f"sha256:{field.decode()[:8]}...  tenant={record.get('tenant')}  models={models}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["new", "add", "revoke", "list"])
+    parser.add_argument("--tenant")
+    parser.add_argument("--key", help="the key itself (add/revoke)")
+    parser.add_argument("--hash", help="the key's sha256:... (add/revoke)")
+    parser.add_argument("--models", help="comma-separated models the key may use (add; default: all)")
+    parser.add_argument("--redis", help="Redis URL (default: redis.url from the config)")
+    parser.add_argument("-c", "--config")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.action == "new":
+        new(args.tenant or "default")
+        return 0
+    url = args.redis
+    if url is None:
+        try:
+            url = load(args.config).redis.url
+        except ConfigError as exc:
+            for line in exc.lines:
+                print(f"sluice keys: config error: {line}", file=sys.stderr)
+            return 2
+    try:
+        if args.action == "list":
+            list_keys(url)
+            return 0
+        hexdigest = hex_digest(args.key, args.hash)
+        if args.action == "add":
+            if not args.tenant:
+                sys.exit("sluice keys add: --tenant is required")
+            models = [m for m in args.models.split(",") if m] if args.models else None
+            add(url, args.tenant, hexdigest, models)
+        else:
+            revoke(url, hexdigest)
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
+        print(f"sluice keys: Redis at {url} is unavailable: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -180,7 +180,7 @@ class RedisJobs:
         return bool(await self.store.execute("EXISTS", lease_key(instance)))
 
     async def changed(self, ident: str, timeout: float) -> None:
-        # Followers poll: a blocking XREAD would hold a pooled connection past the store's short timeout.
+        # Followers poll: a blocking XREAD would stall a shared, multiplexed store connection (and time out).
         await asyncio.sleep(min(timeout, 0.05))
 
 

@@ -257,6 +257,7 @@ class Background:
             log.exception("background job %s failed inside the gateway", job.ident)
             await _quietly(recorder.fail("failed", {"code": "internal_error", "message": "internal gateway error"}))
         finally:
+            recorder.stop()
             if opened is not None:
                 opened.response.close()  # a cancelled or failed job stops its upstream request here
             await _quietly(self.jobs.release(job))

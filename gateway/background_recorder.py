@@ -7,18 +7,22 @@ up to FLUSH_EVENTS, or FLUSH_S after the first of a batch arrived: one pipelined
 
 from __future__ import annotations
 
-import time
+import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway import completion
+from gateway.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from gateway.background import Job, Jobs
 
 FLUSH_EVENTS = 32  # events stored in one round trip at most...
 FLUSH_S = 0.05  # ...and no later than this after the first of them arrived
+
+log = logging.getLogger("sluice.background")
 
 
 class Recorder:
@@ -30,7 +34,10 @@ class Recorder:
         self.document = document
         self.buffer = b""
         self.pending: list[tuple[int, bytes]] = []
-        self.first_at = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.writes: set[asyncio.Task[None]] = set()
+        # Writes in order: a stream's entry ids must grow, so a batch never overtakes the one before it.
+        self.lock = asyncio.Lock()
         self.seq = -1
         self.raw: list[bytes] = []  # chat: every event, assembled into the completion at the end
         self.terminal: dict[str, Any] | None = None
@@ -45,7 +52,7 @@ class Recorder:
         for event in events:
             if event.strip():
                 self._take(event + b"\n\n")
-        if self.pending and (len(self.pending) >= FLUSH_EVENTS or time.monotonic() - self.first_at >= FLUSH_S):
+        if len(self.pending) >= FLUSH_EVENTS:
             await self.flush()
 
     def _take(self, event: bytes) -> None:
@@ -56,9 +63,22 @@ class Recorder:
                 return
             self.raw.append(event)
             self.seq += 1
-        if not self.pending:
-            self.first_at = time.monotonic()
+        if not self.pending and self.timer is None:
+            # Followers see an event within FLUSH_S even if the model then goes quiet for a while.
+            self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self._flush_later)
         self.pending.append((self.seq, event))
+
+    def _flush_later(self) -> None:
+        self.timer = None
+        task = asyncio.get_running_loop().create_task(self._flush_quietly())
+        self.writes.add(task)
+        task.add_done_callback(self.writes.discard)
+
+    async def _flush_quietly(self) -> None:
+        try:
+            await self.flush()
+        except StoreUnavailable as exc:
+            log.warning("background job %s: events not stored (%s)", self.job.ident, exc)
 
     def _responses_event(self, event: bytes) -> bytes:
         """The event with the job's id in its response object; its sequence number kept."""
@@ -79,9 +99,16 @@ class Recorder:
         return b"event: " + str(parsed.get("type", "")).encode() + b"\ndata: " + orjson.dumps(parsed) + b"\n\n"
 
     async def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        if pending:
-            await self.jobs.append(self.job.ident, pending)
+        async with self.lock:
+            pending, self.pending = self.pending, []
+            if pending:
+                await self.jobs.append(self.job.ident, pending)
+
+    def stop(self) -> None:
+        """No more timed writes: the job has ended (its last events are flushed by end or fail)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     async def end(self) -> None:
         await self.flush()

@@ -124,6 +124,13 @@ def test_cancel_closes_the_upstream_and_the_cap_is_per_tenant() -> None:
                 client.responses.create(model="m", input="second", background=True)
             assert "background requests in flight" in caught.value.message
             sdk(gw, OTHER_KEY).responses.create(model="m", input="theirs", background=True)  # another tenant's cap
+            # The model has gone quiet after five events: a follower still gets them, at once.
+            live = openai.OpenAI(base_url=gw.base_url, api_key=KEY, max_retries=0, timeout=5).responses.retrieve(
+                made.id, stream=True
+            )
+            events = iter(live)
+            assert [next(events).sequence_number for _ in range(5)] == [0, 1, 2, 3, 4]
+            live.close()
             assert client.responses.cancel(made.id).status == "cancelled"
             assert up.wait_disconnect(5.0), "the upstream generation was not stopped"
             assert client.responses.retrieve(made.id).status == "cancelled"

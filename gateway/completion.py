@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from gateway import response_events
+
 
 def sse(data: bytes) -> bytes:
     """One SSE event carrying `data` (a JSON document or `[DONE]`): the one writer of events there is."""
@@ -46,6 +48,8 @@ def events(body: bytes) -> tuple[list[dict[str, Any]], bool]:
 
 def assemble(endpoint: str, body: bytes) -> dict[str, Any] | None:
     """The whole answer a complete SSE body adds up to, in the non-stream shape; None if incomplete."""
+    if endpoint == "responses":
+        return response_events.assemble(body)
     chunks, done = events(body)
     if not done or not chunks or any("error" in chunk for chunk in chunks):
         return None
@@ -118,6 +122,8 @@ def _finish(choice: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 def replay(endpoint: str, answer: dict[str, Any], include_usage: bool) -> bytes:
     """A stored answer as the SSE body a live stream of it would have been."""
+    if endpoint == "responses":
+        return response_events.replay(answer)
     chat = endpoint == "chat/completions"
     head = {
         "id": answer.get("id", ""),

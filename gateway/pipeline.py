@@ -1,6 +1,7 @@
 """The request path: the only module with request control flow. Six steps, one direction.
 
-    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain
+    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain, which the routing step
+                (`route`, set by the runtime: the Responses API, background jobs) may replace
     2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects
     3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
@@ -18,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream, usage_mode
+from gateway.streaming import find_usage, relay_stream, stream_rules, usage_mode
 from gateway.telemetry import server_timing
 from gateway.upstream import Opened
 
@@ -39,7 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 # Upstream response headers worth passing on; everything else is hop-by-hop or the gateway's to set.
-PASSED = frozenset({b"content-type", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"})
+PASSED = frozenset(
+    {b"content-type", b"location", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"}
+)
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05
@@ -61,6 +64,9 @@ class Pipeline:
         self.access = logging.getLogger("sluice.access") if settings.log.access else None
         self.inflight = 0
         self.cut = 0  # requests ended by shutdown after the grace period
+        # Set by the runtime: may replace `ex.targets` once they are known (Responses: only the backends that
+        # have the API; background requests: the gateway's own runner), or reject the request.
+        self.route: Callable[[Exchange], None] | None = None
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
@@ -82,6 +88,16 @@ class Pipeline:
             await self._reject(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
             return
         ex.targets = list(chain)
+        if self.route is not None:
+            try:
+                self.route(ex)
+            except errors.GatewayError as exc:
+                await self._reject(send, exc, rid)
+                return
+        await self.serve(ex, receive, send)
+
+    async def serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
+        """Steps 2 to 6 for an Exchange whose targets are set (also for requests parsed elsewhere)."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
@@ -136,7 +152,10 @@ class Pipeline:
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
+            if ex.resource:
+                # Reading a stored response generates nothing: its tokens and latency were counted when made.
+                outcome.usage = outcome.ttft_ms = outcome.tpot_ms = None
+            elif outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
                 outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
             # must still release the requests following it): in a task of its own after a cut or a bug.
@@ -290,7 +309,10 @@ class Pipeline:
             await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
             assert ex.served is not None
             mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
-            await relay_stream(send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode)
+            rules = stream_rules(ex.endpoint)
+            await relay_stream(
+                send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode, rules
+            )
         finally:
             answer.response.close()
 

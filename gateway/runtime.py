@@ -8,6 +8,7 @@ from typing import Any
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.resp import parse_url
+from gateway.responses import Responses
 from gateway.settings import Settings
 from gateway.store import Store, StoreUnavailable
 from gateway.telemetry import Telemetry
@@ -28,6 +29,8 @@ class Runtime:
         self.telemetry = Telemetry(settings, self.plugins, self.store, self.upstreams)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
+        self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
+        self.pipeline.route = self.responses.route
         self.started = False
 
     async def start(self) -> None:
@@ -37,6 +40,7 @@ class Runtime:
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
         redis = await self._redis_state()
+        await self.responses.start()
         self.started = True
         self._summary(redis)
 
@@ -99,6 +103,7 @@ class Runtime:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.responses.aclose()
         await self.upstreams.aclose()
         if self.store is not None:
             await self.store.aclose()

@@ -107,6 +107,10 @@ def simulate(
             return _completion(body, model, profile, cached_tokens, usage)
         if endpoint == "embeddings":
             return _embeddings(body, model, profile)
+        if endpoint == "responses":
+            from gateway.simulation_responses import respond  # imports this module: import when used
+
+            return respond(body, model, profile)
     except _Invalid as exc:
         return error_reply(400, exc.message, exc.param)
     return error_reply(404, f"no such endpoint: {endpoint}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -38,6 +39,7 @@ FIRST_TOKEN = re.compile(
 )
 USAGE = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 DONE = b"data: [DONE]"
+DONE_MARK = re.compile(re.escape(DONE))
 USAGE_EVENT = re.compile(rb'"choices":\s*\[\s*\]')
 NULL_USAGE = b',"usage":null'
 NULL_USAGE_SPACED = b', "usage": null'
@@ -45,6 +47,32 @@ NULL_USAGE_SPACED = b', "usage": null'
 # What the relay does about usage: pass the stream as it is (the client asked for usage), hide the usage
 # the upstream was asked for, or count events because the upstream cannot report it.
 PASS, HIDE, COUNT = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRules:
+    """How to see an endpoint's first token and its end without parsing its events."""
+
+    first_token: re.Pattern[bytes]
+    end: re.Pattern[bytes]
+    end_name: str  # for the error when it is missing
+
+
+CHAT_RULES = StreamRules(FIRST_TOKEN, DONE_MARK, "[DONE]")
+# Responses streams name every event's type; the first output is a delta of text, a refusal, a tool call's
+# arguments or reasoning, and the stream ends with its terminal event rather than [DONE].
+RESPONSES_RULES = StreamRules(
+    re.compile(
+        rb"response\.(?:output_text|refusal|function_call_arguments|custom_tool_call_input|reasoning_text"
+        rb"|reasoning_summary_text|audio_transcript|audio|code_interpreter_call_code)\.delta"
+    ),
+    re.compile(rb"response\.(?:completed|incomplete|failed)\b"),
+    "response.completed",
+)
+
+
+def stream_rules(endpoint: str) -> StreamRules:
+    return RESPONSES_RULES if endpoint == "responses" else CHAT_RULES
 
 
 def find_usage(data: bytes) -> dict[str, Any] | None:
@@ -58,7 +86,13 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
         usage = orjson.loads(found.group(1))
     except orjson.JSONDecodeError:
         return None
-    return usage if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if "input_tokens" in usage and "prompt_tokens" not in usage:
+        # The Responses API's names; the chat names are added so that every reader of usage sees one shape.
+        usage["prompt_tokens"] = usage["input_tokens"]
+        usage["completion_tokens"] = usage.get("output_tokens")
+    return usage
 
 
 def usage_mode(include_usage: bool, reports_usage: bool) -> int:
@@ -117,6 +151,7 @@ async def relay_stream(
     started: float,
     first_token_at: float = 0.0,
     usage_mode: int = PASS,
+    rules: StreamRules = CHAT_RULES,
 ) -> None:
     """Pass an SSE body through; fill in `outcome` (TTFT, TPOT, usage, completeness) as it goes."""
     chunk = first
@@ -127,7 +162,7 @@ async def relay_stream(
     try:
         while chunk:
             chunks += 1
-            if not first_token_at and FIRST_TOKEN.search(chunk):
+            if not first_token_at and rules.first_token.search(chunk):
                 first_token_at = time.perf_counter()
             out = chunk
             if usage_mode == HIDE:
@@ -147,8 +182,9 @@ async def relay_stream(
         outcome.error = str(exc)
     # Usage comes in the last event before [DONE]; upstreams often send the two as separate chunks.
     tail = prev2[-2048:] + prev
-    if outcome.error is None and DONE not in tail:
-        outcome.error = "upstream stream ended without [DONE]"
+    # A Responses stream's terminal event holds the whole response and may span both chunks: look at all of it.
+    if outcome.error is None and not (rules.end.search(tail) or rules.end.search(prev2)):
+        outcome.error = f"upstream stream ended without {rules.end_name}"
     if outcome.error is not None:
         event = errors.UpstreamError(f"upstream stream failed: {outcome.error}").sse_event()
         for tap in taps:

@@ -11,7 +11,10 @@
   after the response has ended; it replays as JSON or as SSE. Redis holds a one-line header and those
   bytes, written by one background writer in pipelined batches; a miss costs one GET on the request path.
 - L1 is bounded by `l1_entries` and by `l1_bytes`, counting each entry's bytes, the SSE replays made of it
-  and a fixed overhead for its key and bookkeeping.
+  and a fixed overhead for its key and bookkeeping. For the Responses API only a response whose
+  status is `completed` is stored; background requests and reads of stored responses are never cached;
+  `store` is part of a Responses key (it decides whether the id can be retrieved later), and so is
+  `previous_response_id`, like every other field.
 - Single flight: identical requests that arrive while the first is running share its upstream call.
   Streaming followers get the leader's bytes as they arrive; if the leader fails before its first byte, one
   follower takes over; after it, followers get the same error event. Bounded: `max_followers`,
@@ -52,6 +55,8 @@ log = logging.getLogger("sluice.cache")
 
 KEY_PREFIX = "sluice:cache:v2:"
 TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+# For the Responses API `store` decides whether the answer's id can be retrieved and continued later.
+RESPONSES_TRANSPORT_ONLY = TRANSPORT_ONLY - {"store"}
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
 HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
@@ -297,7 +302,8 @@ class Cache:
         self.stats["bypass"] += 1
 
     def key(self, ex: Exchange, policy: Policy) -> str:
-        fields = {k: v for k, v in ex.json.items() if k not in TRANSPORT_ONLY}
+        skip = RESPONSES_TRANSPORT_ONLY if ex.endpoint == "responses" else TRANSPORT_ONLY
+        fields = {k: v for k, v in ex.json.items() if k not in skip}
         scope = "*" if policy.shared else ex.tenant
         material = orjson.dumps([scope, ex.model, ex.endpoint, fields], option=orjson.OPT_SORT_KEYS)
         return KEY_PREFIX + hashlib.sha256(material).hexdigest()
@@ -409,6 +415,8 @@ class Cache:
             return None
         if ex.stream:
             data = self._assemble_stream(ex, body, outcome)
+        elif ex.endpoint == "responses":
+            data = body if _completed_response(body) else None
         else:
             # A whole body is kept as the upstream sent it: no parse, no re-serialisation. A 200 that is
             # not a finished answer shows in its bytes (compact or spaced JSON alike).
@@ -429,7 +437,12 @@ class Cache:
             answer = completion.assemble(ex.endpoint, body)
         except orjson.JSONDecodeError:
             return None
-        if answer is None or not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
+        if answer is None:
+            return None
+        if ex.endpoint == "responses":
+            if answer.get("status") != "completed":
+                return None
+        elif not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
             return None
         if answer.get("usage") is None and outcome.usage is not None and outcome.usage_source == "upstream":
             answer["usage"] = outcome.usage  # the client did not ask for it, the upstream was asked anyway
@@ -471,10 +484,21 @@ def _mark(ex: Exchange, result: bytes) -> None:
     ex.labels[LABEL] = result.decode()
 
 
+def _completed_response(body: bytes) -> bool:
+    """A Responses object that finished (its own `error` is null, so the bytes alone cannot tell)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(answer, dict) and answer.get("status") == "completed" and not answer.get("error")
+
+
 def _deterministic(ex: Exchange) -> bool:
     if ex.endpoint == "embeddings":
         return True
     body = ex.json
+    if ex.resource or body.get("background"):
+        return False  # a stored response changes (cancel, delete); a background one is polled, not replayed
     temperature = body.get("temperature")
     seed = body.get("seed")
     return temperature == 0 or (isinstance(seed, int) and not isinstance(seed, bool))

@@ -110,7 +110,7 @@ class HttpProvider:
         return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def path(self, ex: Exchange, target: Target) -> bytes:
-        return f"{self.base_path}/{ex.endpoint}".encode()
+        return f"{self.base_path}/{ex.endpoint}{ex.resource}".encode()
 
     def body(self, ex: Exchange, target: Target) -> bytes:
         model = target.upstream_model if target.upstream_model != ex.model else None
@@ -161,8 +161,10 @@ class HttpProvider:
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
+        # A stored response's operations (retrieve, delete, cancel) carry no body of their own.
+        body = b"" if ex.resource else self.body(ex, target)
         try:
-            response = await self.client.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
+            response = await self.client.request(ex.method, self.path(ex, target), headers, body)
         except ConnectError as exc:
             self.health.mark_down(str(exc))
             raise

@@ -23,6 +23,8 @@ from gateway import errors
 from gateway.config import load
 from gateway.pipeline import send_error
 from gateway.request import request_id
+from gateway.responses import JOB_PREFIX
+from gateway.responses import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
 from gateway.settings import Settings
 
@@ -30,6 +32,7 @@ ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
     # The same paths without /v1, as some clients are configured with the bare host as base URL.
     "/chat/completions": "chat/completions",
     "/completions": "completions",
@@ -38,6 +41,8 @@ ENDPOINTS = {
     "/openai/v1/chat/completions": "chat/completions",
     "/openai/v1/completions": "completions",
     "/openai/v1/embeddings": "embeddings",
+    "/openai/v1/responses": "responses",
+    "/responses": "responses",
 }
 # Deployment paths: Azure's dated form, and what `AzureOpenAI(base_url=".../openai/v1")` sends.
 AZURE_PREFIXES = ("/openai/deployments/", "/openai/v1/deployments/")
@@ -93,6 +98,15 @@ class Gateway:
                     await send_error(send, error, request_id(scope["headers"]))
                 else:
                     await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
+                return
+            jobs = path.startswith(JOB_PREFIX)
+            if jobs or path.startswith(RESPONSE_PREFIXES):
+                runtime = self.runtime
+                rest = path[len(JOB_PREFIX) :] if jobs else path.partition("/responses/")[2]
+                if runtime is None:
+                    await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
+                else:
+                    await runtime.responses.handle(scope, receive, send, rest, jobs)
                 return
         await self.site(scope, receive, send)
 

@@ -1,12 +1,13 @@
 """The request path: the only module with request control flow. Six steps, one direction.
 
-    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain
+    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain, which the routing step
+                (`route`, set by the runtime: the Responses API, background jobs) may replace
     2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects
     3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
     5 body      the relay (streaming.py), or the whole body / the plugin's reply
-    6 complete  plugins' on_complete, scheduled after the last byte: never delays the client
+    6 complete  plugins' on_complete, after the last byte: never delays the client
 
 A rejection and a plugin's reply go through steps 4 to 6 like an upstream answer, so headers and
 accounting look the same on every path. A client that disconnects cancels whatever is in flight: the
@@ -18,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream
+from gateway.streaming import find_usage, relay_stream, stream_rules, usage_mode
 from gateway.telemetry import server_timing
 from gateway.upstream import Opened, around_loading
 
@@ -39,7 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 # Upstream response headers worth passing on; everything else is hop-by-hop or the gateway's to set.
-PASSED = frozenset({b"content-type", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"})
+PASSED = frozenset(
+    {b"content-type", b"location", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"}
+)
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05
@@ -61,6 +64,9 @@ class Pipeline:
         self.access = logging.getLogger("sluice.access") if settings.log.access else None
         self.inflight = 0
         self.cut = 0  # requests ended by shutdown after the grace period
+        # Set by the runtime: may replace `ex.targets` once they are known (Responses: only the backends that
+        # have the API; background requests: the gateway's own runner), or reject the request.
+        self.route: Callable[[Exchange], None] | None = None
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
@@ -84,6 +90,16 @@ class Pipeline:
         ex.targets = list(chain)
         if self.upstreams.loading:  # empty unless a self-hosted backend is still loading its model
             around_loading(ex, self.upstreams.loading)
+        if self.route is not None:
+            try:
+                self.route(ex)
+            except errors.GatewayError as exc:
+                await self._reject(send, exc, rid)
+                return
+        await self.serve(ex, receive, send)
+
+    async def serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
+        """Steps 2 to 6 for an Exchange whose targets are set (also for requests parsed elsewhere)."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
@@ -118,34 +134,52 @@ class Pipeline:
                 watcher.add_done_callback(client_left)
 
         timer = loop.call_later(WATCH_AFTER_S, watch)
+        ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1
         try:
             await self._respond(ex, send, outcome)
+            ended = True
         except asyncio.CancelledError:
             task.uncancel()
             if outcome.client_gone:
                 outcome.error = outcome.error or "client disconnected"
+                ended = True
             else:
                 # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
                 # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
                 done = True  # a client leaving now must not cancel the last words
                 await self._cut(ex, send, outcome)
         finally:
-            self.inflight -= 1
             done = True
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
+            if ex.resource:
+                # Reading a stored response generates nothing: its tokens and latency were counted when made.
+                outcome.usage = outcome.ttft_ms = outcome.tpot_ms = None
+            elif outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
                 outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
-            # must still release the requests following it).
+            # must still release the requests following it): in a task of its own after a cut or a bug.
+            if not ended:
+                self.inflight -= 1
+                if self.on_complete:
+                    job = loop.create_task(self._complete(ex, outcome))
+                    self._background.add(job)
+                    job.add_done_callback(self._background.discard)
+                elif self.telemetry is not None or self.access is not None:
+                    loop.call_soon(self._record, ex, outcome)
+        # The last byte has gone: the rest runs in this request's own task, which costs nothing the client
+        # waits for (uvicorn serves the connection's next request in a task of its own once this response is
+        # complete) and saves a task per request, which cost more than most plugins' completion work. The
+        # request counts as in flight until it is done, so that a drain waits for it.
+        try:
             if self.on_complete:
-                job = loop.create_task(self._complete(ex, outcome))
-                self._background.add(job)
-                job.add_done_callback(self._background.discard)
+                await self._complete(ex, outcome)
             elif self.telemetry is not None or self.access is not None:
-                loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
+                self._record(ex, outcome)
+        finally:
+            self.inflight -= 1
 
     async def _cut(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
         self.cut += 1
@@ -275,7 +309,12 @@ class Pipeline:
             return
         try:
             await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
-            await relay_stream(send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at)
+            assert ex.served is not None
+            mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
+            rules = stream_rules(ex.endpoint)
+            await relay_stream(
+                send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode, rules
+            )
         finally:
             answer.response.close()
 

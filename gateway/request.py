@@ -22,7 +22,10 @@ REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
     "chat/completions": ("messages", (list,), "an array of messages"),
     "completions": ("prompt", (str, list), "a string or an array"),
     "embeddings": ("input", (str, list), "a string or an array"),
+    "responses": ("input", (str, list), "a string or an array of input items"),
 }
+# Fields that stand in for the required one: a Responses request may come from a stored prompt template.
+INSTEAD: dict[str, str] = {"responses": "prompt"}
 
 
 # The deepest nesting of arrays and objects accepted in a request body. Real requests stay under ten levels
@@ -137,9 +140,13 @@ def parse(
     field, types, what = REQUIRED[endpoint]
     value = data.get(field)
     if value is None:
-        raise errors.BadRequestError(f"missing required parameter: '{field}'", param=field)
-    if not isinstance(value, types) or (field == "messages" and not value):
+        if INSTEAD.get(endpoint) not in data:
+            raise errors.BadRequestError(f"missing required parameter: '{field}'", param=field)
+    elif not isinstance(value, types) or (field == "messages" and not value):
         raise errors.BadRequestError(f"'{field}' must be {what}", param=field)
+    background = data.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise errors.BadRequestError("'background' must be a boolean", param="background")
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise errors.BadRequestError("'stream' must be a boolean", param="stream")

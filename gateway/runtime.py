@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from urllib.parse import urlsplit
 
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
-from gateway.resp import node_urls
+from gateway.resp import parse_url
+from gateway.responses import Responses
 from gateway.settings import Settings
 from gateway.store import Store, StoreUnavailable
 from gateway.telemetry import Telemetry
@@ -31,6 +31,8 @@ class Runtime:
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.warmup = Warmup(settings, self.upstreams, self.meter)
+        self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
+        self.pipeline.route = self.responses.route
         self.started = False
 
     async def start(self) -> None:
@@ -41,6 +43,7 @@ class Runtime:
             await startup(self)
         await self.warmup.start()  # attempted before ready; ready whatever came of it (it is logged)
         redis = await self._redis_state()
+        await self.responses.start()
         self.started = True
         self._summary(redis)
 
@@ -103,6 +106,7 @@ class Runtime:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.responses.aclose()
         await self.warmup.aclose()
         await self.upstreams.aclose()
         if self.store is not None:
@@ -111,10 +115,7 @@ class Runtime:
 
 
 def _redis_place(url: str) -> str:
-    """host:port/db of a Redis URL (each seed's, for a cluster), without its credentials."""
-    places = []
-    for node in node_urls(url):  # a cluster URL's netloc lists several host:port pairs, which urlsplit cannot
-        parts = urlsplit(node)
-        host = parts.hostname or "localhost"
-        places.append(f"{host}:{parts.port or 6379}{parts.path if parts.path not in ('', '/') else ''}")
-    return ",".join(places)
+    """host:port/db of a Redis URL (every seed of a cluster), without its credentials."""
+    addresses, options, cluster = parse_url(url)
+    nodes = ", ".join(f"{host}:{port}" for host, port in addresses)
+    return f"cluster {nodes}" if cluster else f"{nodes}/{options.db}"

@@ -46,6 +46,7 @@ class TlsSettings(Strict):
 class RemoteBackend(Strict):
     base_url: str
     api_key: str = ""
+    responses_api: bool = True  # false for a server with chat completions only (an older vLLM)
     tls: TlsSettings = TlsSettings()
     headers: dict[str, str] = {}  # sent upstream on every request, e.g. OpenAI-Organization
     timeouts: Timeouts = Timeouts()
@@ -85,6 +86,7 @@ class AzureBackend(RemoteBackend):
 
 class SimulatedBackend(Strict):
     type: Literal["simulated"]
+    responses_api: bool = True
     ttft_ms: float = Field(150.0, ge=0)
     tpot_ms: float = Field(15.0, ge=0)
     tokens: int = Field(16, ge=1)
@@ -178,6 +180,19 @@ class ShutdownSettings(Strict):
     grace_s: float = Field(30.0, ge=0)  # requests in flight may finish this long after SIGTERM
 
 
+class ResponsesSettings(Strict):
+    default_model: str | None = None  # serves retrievals of response ids the gateway did not see created
+    index_ttl_s: float = Field(30 * 86400.0, gt=0)  # how long the gateway remembers who created a response
+
+
+class BackgroundSettings(Strict):
+    max_inflight_per_tenant: int = Field(16, ge=1)
+    ttl_s: float = Field(86400.0, gt=0)  # how long a finished background response can be polled and resumed
+    max_events: int = Field(10000, ge=16)  # events kept per response for resuming (approximately)
+    max_seconds: float = Field(3600.0, gt=0)  # a gateway-run job still going after this is cancelled
+    lease_s: float = Field(10.0, ge=1)  # an owner silent this long is taken as dead: its jobs fail
+
+
 class Settings(Strict):
     listen: Listen = Listen()
     backends: dict[str, Backend]
@@ -189,6 +204,8 @@ class Settings(Strict):
     limits: LimitSettings = LimitSettings()
     log: LogSettings = LogSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
+    responses: ResponsesSettings = ResponsesSettings()
+    background: BackgroundSettings = BackgroundSettings()
     plugins: list[str] = []
     # Each listed plugin's parts of the config, validated by its own schema (set by gateway/config.py).
     _plugin_config: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -222,4 +239,7 @@ def references(settings: Settings) -> list[tuple[str, str]]:
                 problems.append((f"models.{name}.fallback", f"no model named {other!r}"))
     if not settings.models:
         problems.append(("models", "at least one model is needed"))
+    default = settings.responses.default_model
+    if default is not None and default not in settings.models:
+        problems.append(("responses.default_model", f"no model named {default!r}"))
     return problems

@@ -87,20 +87,30 @@ class _Invalid(Exception):
 
 
 def simulate(
-    endpoint: str, body: dict[str, Any], model: str, profile: Profile, cached_tokens: int | None = None
+    endpoint: str,
+    body: dict[str, Any],
+    model: str,
+    profile: Profile,
+    cached_tokens: int | None = None,
+    usage: bool = False,
 ) -> Reply:
     """Script the answer to `body` sent to `endpoint` ("chat/completions", "completions" or "embeddings").
 
     `cached_tokens`, when given, is reported as usage.prompt_tokens_details.cached_tokens, as vLLM and OpenAI
-    report a prefix-cache hit.
+    report a prefix-cache hit. `usage`: a stream reports its usage as if `stream_options.include_usage` had
+    been sent.
     """
     try:
         if endpoint == "chat/completions":
-            return _chat(body, model, profile, cached_tokens)
+            return _chat(body, model, profile, cached_tokens, usage)
         if endpoint == "completions":
-            return _completion(body, model, profile, cached_tokens)
+            return _completion(body, model, profile, cached_tokens, usage)
         if endpoint == "embeddings":
             return _embeddings(body, model, profile)
+        if endpoint == "responses":
+            from gateway.simulation_responses import respond  # imports this module: import when used
+
+            return respond(body, model, profile)
     except _Invalid as exc:
         return error_reply(400, exc.message, exc.param)
     return error_reply(404, f"no such endpoint: {endpoint}")
@@ -130,13 +140,14 @@ def chat_tokens(messages: list[Any]) -> list[str]:
     return tokens
 
 
-def _chat(body: dict[str, Any], model: str, profile: Profile, cached: int | None) -> Reply:
+def _chat(body: dict[str, Any], model: str, profile: Profile, cached: int | None, usage_always: bool) -> Reply:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _Invalid("'messages' must be a non-empty array", "messages")
     prompt_tokens = sum(_message_tokens(message, i) for i, message in enumerate(messages))
     count, finish = _length(body, profile, ("max_completion_tokens", "max_tokens"))
     stream, include_usage = _stream_flags(body)
+    include_usage = include_usage or (stream and usage_always)
     ident, picks = _pick(b"chat\0" + _canonical(messages, "messages"), count)
     head = {"id": "chatcmpl-" + ident, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     usage = _usage(prompt_tokens, count, cached)
@@ -153,11 +164,12 @@ def _chat(body: dict[str, Any], model: str, profile: Profile, cached: int | None
     return _stream(events, head, usage if include_usage else None, profile, count)
 
 
-def _completion(body: dict[str, Any], model: str, profile: Profile, cached: int | None) -> Reply:
+def _completion(body: dict[str, Any], model: str, profile: Profile, cached: int | None, usage_always: bool) -> Reply:
     texts = _inputs(body.get("prompt"), "prompt")
     prompt_tokens = sum(len(text.split()) for text in texts)
     count, finish = _length(body, profile, ("max_tokens",))
     stream, include_usage = _stream_flags(body)
+    include_usage = include_usage or (stream and usage_always)
     ident, picks = _pick(b"completions\0" + orjson.dumps(texts), count)
     head = {"id": "cmpl-" + ident, "object": "text_completion", "created": int(time.time()), "model": model}
     usage = _usage(prompt_tokens, count, cached)

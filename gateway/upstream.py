@@ -28,7 +28,7 @@ from gateway.providers.simulated import SimulatedProvider
 from gateway.providers.tgi import TGIProvider
 from gateway.providers.vllm import VLLMProvider
 from gateway.simulation import Profile
-from gateway.streaming import FIRST_TOKEN
+from gateway.streaming import stream_rules
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -252,7 +252,8 @@ class Upstreams:
             # With a deadline or a hedge the stream commits at its first token: a role-only chunk or Azure's
             # preamble says nothing about whether the model is generating.
             parts = [first]
-            while first and not FIRST_TOKEN.search(first):
+            first_token = stream_rules(ex.endpoint).first_token
+            while first and not first_token.search(first):
                 first = await response.next_chunk()
                 parts.append(first)
             return Opened(response, b"".join(parts), time.perf_counter() if first else 0.0)

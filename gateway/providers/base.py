@@ -38,6 +38,7 @@ class UpstreamResponse(Protocol):
 class Provider(Protocol):
     kind: ClassVar[str]  # the backend type in the config
     system: ClassVar[str]  # gen_ai.provider.name
+    reports_usage: bool  # a stream reports its usage in a last chunk (see streaming.py)
     health: Health  # up, down or warming; the request path reads `health.down` only
 
     async def start(self) -> None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.upstream")
 
 MAINTAIN_INTERVAL_S = 5.0
+STREAM_OPTIONS = b'{"stream_options":{"include_usage":true},'
 RETRY_FIRST_S = 1.0  # a backend that is down is retried after this, then twice as long each time...
 RETRY_MAX_S = 30.0  # ...up to this
 
@@ -50,9 +51,35 @@ def tls_context(name: str, backend: RemoteBackend) -> ssl.SSLContext:
     return context
 
 
+def request_body(ex: Exchange, model: str | None, usage: bool) -> bytes:
+    """The body to send: as the client sent it, unless the model is renamed or a stream must report usage.
+
+    A stream is always asked for its usage (`stream_options.include_usage`), so that tokens, TPOT and the
+    rate limiter's correction work for clients that did not ask; the relay hides the usage chunk from them.
+    """
+    inject = usage and ex.stream and not ex.include_usage
+    if model is None and not inject:
+        return ex.body
+    if model is None and "stream_options" not in ex.json:
+        # The common case, a plain stream: one field in front of the others, no re-serialisation.
+        body = ex.body if ex.body[:1] == b"{" else ex.body.lstrip()
+        return STREAM_OPTIONS + memoryview(body)[1:]  # one copy, however large the prompt
+    # The parsed JSON is shared with the plugins, so copy it.
+    data = {**ex.json}
+    if model is not None:
+        data["model"] = model
+    if inject:
+        options = data.get("stream_options")
+        data["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return orjson.dumps(data)
+
+
 class HttpProvider:
     kind: ClassVar[str] = "openai"
     system: ClassVar[str] = "openai"
+    # Whether a stream can be asked for its usage (`stream_options.include_usage`); without it the relay
+    # counts events instead.
+    reports_usage = True
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         self.name = name
@@ -83,13 +110,11 @@ class HttpProvider:
         return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def path(self, ex: Exchange, target: Target) -> bytes:
-        return f"{self.base_path}/{ex.endpoint}".encode()
+        return f"{self.base_path}/{ex.endpoint}{ex.resource}".encode()
 
     def body(self, ex: Exchange, target: Target) -> bytes:
-        if target.upstream_model == ex.model:
-            return ex.body
-        # Renaming the model is the one change we make to a body; the parsed JSON is shared, so copy it.
-        return orjson.dumps({**ex.json, "model": target.upstream_model})
+        model = target.upstream_model if target.upstream_model != ex.model else None
+        return request_body(ex, model, self.reports_usage)
 
     async def start(self) -> None:
         if self.http2:
@@ -136,8 +161,10 @@ class HttpProvider:
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
+        # A stored response's operations (retrieve, delete, cancel) carry no body of their own.
+        body = b"" if ex.resource else self.body(ex, target)
         try:
-            response = await self.client.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
+            response = await self.client.request(ex.method, self.path(ex, target), headers, body)
         except ConnectError as exc:
             self.health.mark_down(str(exc))
             raise

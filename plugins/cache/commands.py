@@ -290,14 +290,14 @@ def stats(settings: Settings, spec: str, out: TextIO) -> None:
                     row = table.setdefault(where, [0, 0])
                     row[0] += 1
                     row[1] += int(size)
-        old = sum(1 for _ in r.scan_iter(match=layout.OLD_ROOT + "*", count=1000))
+        old = sum(1 for _ in r.scan_iter(match=layout.OLD_PATTERN, count=1000))
     out.write(f"{'tenant':<24} {'model':<32} {'entries':>9} {'bytes':>12}\n")
     for (tenant, model), (entries, size) in sorted(table.items()):
         out.write(f"{tenant:<24} {model:<32} {entries:>9} {size:>12}\n")
     total = [sum(row[i] for row in table.values()) for i in (0, 1)]
     out.write(f"{'total':<24} {'':<32} {total[0]:>9} {total[1]:>12}\n")
     if old:
-        out.write(f"{old} entries in the old layout (sluice:cache:v1:, no tenant): no longer read; they expire\n")
+        out.write(f"{old} entries in older layouts (sluice:cache:v1:, v2:, no tenant): no longer read; they expire\n")
     out.write(
         f"L1, in each gateway process: up to {section.l1_entries} entries and {section.l1_bytes} bytes; "
         f"ttl {section.ttl_s:g} s (+{section.stale_s:g} s stale), mode {section.mode}\n"

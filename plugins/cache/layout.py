@@ -1,4 +1,4 @@
-"""Where cache entries live in Redis: `sluice:cache:v2:{<tenant>}:<model>:<sha256>`.
+"""Where cache entries live in Redis: `sluice:cache:v3:{<tenant>}:<model>:<sha256>`.
 
 The tenant and the public model are in the key in clear, so that one tenant's entries (or one model's of
 one tenant) are one prefix: `sluice cache purge` scans that prefix and can never reach another tenant's keys,
@@ -8,15 +8,16 @@ nor a brace can appear in them: a prefix is a safe SCAN pattern, and `{<tenant>}
 tag (a tenant's entries share a slot). Entries shared by every tenant (`cache: {shared: true}`) have the
 tenant `*`, which no encoded tenant name can be.
 
-Version 1 keys (`sluice:cache:v1:<sha256>`, no tenant) are no longer read; they expire with their TTL.
+Keys of the earlier layouts (`sluice:cache:v1:<sha256>`, `sluice:cache:v2:<sha256>`: no tenant, no model) are
+no longer read; they expire with their TTL.
 """
 
 from __future__ import annotations
 
 from urllib.parse import quote, unquote
 
-ROOT = "sluice:cache:v2:"
-OLD_ROOT = "sluice:cache:v1:"
+ROOT = "sluice:cache:v3:"
+OLD_PATTERN = "sluice:cache:v[12]:*"  # the earlier layouts, counted by `sluice cache stats`
 SHARED = "*"
 
 
@@ -39,7 +40,7 @@ def pattern(tenant: str | None = None, model: str | None = None) -> str:
 
 
 def parts(key: str) -> tuple[str, str] | None:
-    """(tenant, model) of a version 2 key; None for anything else."""
+    """(tenant, model) of a key of this layout; None for anything else."""
     if not key.startswith(ROOT + "{"):
         return None
     tenant, sep, rest = key[len(ROOT) + 1 :].partition("}:")

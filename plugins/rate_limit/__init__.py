@@ -121,7 +121,7 @@ def estimate(ex: Exchange, default_max_tokens: int) -> tuple[int, int]:
     body = ex.json
     allowed = body.get("max_completion_tokens")
     if allowed is None:
-        allowed = body.get("max_tokens")
+        allowed = body.get("max_tokens", body.get("max_output_tokens"))
     if type(allowed) is not int or allowed < 1:
         allowed = default_max_tokens  # an invalid value is refused upstream and refunded
     n = body.get("n")
@@ -236,7 +236,7 @@ class RateLimit:
     async def on_request(self, ex: Exchange) -> None:
         key = (ex.tenant, ex.model)
         plan = self.plans.get(key)
-        if plan is None:
+        if plan is None or ex.resource:  # reading or cancelling a stored response generates nothing
             return
         reserved, completion = estimate(ex, self.default_max_tokens) if plan.tokens else (0, 0)
         route = None

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from plugins.auth.keys import new_key
@@ -85,8 +86,11 @@ def test_second_identical_request_is_a_hit_in_either_form(
     assert calls(upstream) == 1
 
 
-def test_replayed_stream_carries_usage_when_asked(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
-    ask(gateway, False)
+@pytest.mark.parametrize("fill", [False, True], ids=["fill-json", "fill-sse-without-usage"])
+def test_replayed_stream_carries_usage_when_asked(
+    gateway: RunningGateway, upstream: ScriptedUpstream, fill: bool
+) -> None:
+    ask(gateway, fill)  # a stream filled by a client that did not ask for usage still stores it
     gateway.settle()
     client = openai.OpenAI(base_url=gateway.base_url, api_key=ACME, max_retries=0)
     chunks = list(
@@ -218,3 +222,36 @@ def test_redis_l2_shared_between_gateways_and_faults(upstream: ScriptedUpstream,
         assert ask(one, False, messages=fresh)[1] == "miss"
         wait_until(lambda: entries(redis_server) == 1, what="the entry in the restarted Redis")
         assert ask(two, False, messages=fresh)[1] == "hit"
+
+
+def test_a_miss_reads_redis_once_and_the_entry_is_stored_as_sent(
+    upstream: ScriptedUpstream, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    with gateway_thread(config(upstream.url, redis_server.url)) as gw:
+        client.config_resetstat()
+        first = httpx.post(
+            f"{gw.base_url}/chat/completions",
+            json={"model": "chat", "messages": MESSAGES, "temperature": 0},
+            headers={"authorization": f"Bearer {ACME}"},
+        )
+        assert first.headers["x-sluice-cache"] == "miss"
+        for i in range(11):
+            assert ask(gw, i % 2 == 1, messages=[{"role": "user", "content": f"unique {i}"}])[1] == "miss"
+        deadline = time.monotonic() + 5
+        while len(client.keys("sluice:cache:*")) < 12 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = client.info("commandstats")
+        assert stats["cmdstat_get"]["calls"] == 12  # one L2 read per miss, nothing else on the request path
+        assert stats["cmdstat_set"]["calls"] == 12
+    records = [client.get(key) for key in client.keys("sluice:cache:v3:*")]
+    assert len(records) == 12
+    answers = []
+    for record in records:
+        header, _, answer = record.partition(b"\n")
+        endpoint, served, fresh_until = orjson.loads(header)
+        assert (endpoint, served) == ("chat/completions", "chat") and fresh_until > time.time()
+        stored = orjson.loads(answer)
+        assert stored["choices"][0]["finish_reason"] == "stop" and stored["usage"]["completion_tokens"] == 6
+        answers.append(answer)
+    assert first.content in answers  # a whole answer is stored byte for byte as the client got it

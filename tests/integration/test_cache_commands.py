@@ -109,7 +109,7 @@ def test_dry_run_prints_the_keys_and_sends_nothing(
     result = sluice("cache", "prefill", lines, "-c", config_file, "--dry-run")
     assert result.returncode == 0, result.stderr
     first, second = result.stdout.splitlines()
-    assert first.startswith("line 1 (globex): sluice:cache:v2:{globex}:chat:")
+    assert first.startswith("line 1 (globex): sluice:cache:v3:{globex}:chat:")
     assert second == "line 2 (anonymous): not cacheable: needs temperature 0 or a seed (cache mode deterministic)"
     assert calls(upstream) == 0 and redis_server.client().dbsize() == 0
 

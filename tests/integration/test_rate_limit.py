@@ -129,20 +129,24 @@ def test_tokens_reservation_and_usage_refund(redis_server: RedisServer, http: ht
         # The first request now costs its usage (< 20) only, the second its whole reservation.
         assert left - 20 <= int(second.headers["x-ratelimit-remaining-tokens"]) < left + 10
         gw.settle()
-        # A stream without usage keeps its reservation; then a reservation that does not fit is refused.
+        # A stream whose client did not ask for usage is corrected too: the gateway asks the upstream for it.
         with http.stream(
             "POST", f"{gw.base_url}/chat/completions",
             json={"model": "chat", "messages": MESSAGES, "max_tokens": 1500, "stream": True},
         ) as streamed:  # fmt: skip
             assert streamed.status_code == 200
-            streamed.read()
+            assert b'"usage"' not in streamed.read()
+        gw.settle()
+        assert chat(http, gw, max_tokens=1000).status_code == 200  # would not fit had the stream kept 1500
+        gw.settle()
+        # A reservation larger than the bucket waits for a full one: refused while tokens are still in use.
         with pytest.raises(openai.RateLimitError) as caught:
-            sdk(gw).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1000)  # type: ignore[arg-type]
+            sdk(gw).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1995)  # type: ignore[arg-type]
         assert caught.value.code == "rate_limit_exceeded"
         assert caught.value.type == "tokens"
         assert "on tokens per min (TPM): Limit 2000" in str(caught.value)
         headers = caught.value.response.headers
-        assert int(headers["x-ratelimit-remaining-tokens"]) < 1000
+        assert int(headers["x-ratelimit-remaining-tokens"]) < 2000
         assert int(headers["retry-after"]) >= 1
         # A small request still fits: the refusal took nothing.
         assert chat(http, gw, max_tokens=5).status_code == 200

@@ -37,6 +37,7 @@ class RunningGateway:
     ) -> None:
         self.port = port
         self.app = app  # the app, when it runs in this process
+        self.process = proc  # for gateway_process: the `sluice serve` process
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
         self.proc = proc  # `sluice serve` when run as a process

@@ -37,5 +37,6 @@ def test_a_tenants_pattern_matches_its_keys_only() -> None:
 
 
 def test_anything_else_is_not_a_v2_key() -> None:
-    assert layout.parts(layout.OLD_ROOT + DIGEST) is None
-    assert layout.parts("sluice:cache:v2:acme:chat:" + DIGEST) is None
+    assert layout.parts("sluice:cache:v1:" + DIGEST) is None
+    assert layout.parts("sluice:cache:v3:acme:chat:" + DIGEST) is None
+    assert layout.parts("sluice:cache:v2:" + DIGEST) is None

@@ -291,11 +291,12 @@ async def test_provider_plays_a_stream_with_its_delays() -> None:
         arrivals.append(time.perf_counter() - started)
         pieces.append(piece)
     assert response.complete
-    assert len(pieces) == 1 + 3 + 1 + 1  # role, tokens, finish, [DONE]
+    assert len(pieces) == 1 + 3 + 1 + 1 + 1  # role, tokens, finish, usage (always reported), [DONE]
     assert pieces[-1] == DONE
+    assert b'"choices":[],"usage":{' in pieces[-2]
     assert b'"model":"upstream-name"' in pieces[0]
     assert arrivals[0] >= 0.055
-    assert arrivals[-1] - arrivals[0] >= 5 * 0.020 * 0.8
+    assert arrivals[-1] - arrivals[0] >= 6 * 0.020 * 0.8
     assert await response.next_chunk() == b""
     await provider.aclose()
 

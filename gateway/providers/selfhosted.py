@@ -46,7 +46,7 @@ Listener = Callable[["SelfHostedProvider", str, str], None]  # (provider, before
 class SelfHostedProvider(HttpProvider):
     health_path: ClassVar[str] = "/health"  # from the server's root, i.e. base_url without its /v1
     one_choice: ClassVar[bool] = False  # the server answers one choice per request: n > 1 is refused here
-    include_usage: ClassVar[bool] = True  # it honours stream_options.include_usage (a final usage chunk)
+    # reports_usage (gateway/providers/http.py) stays True: all four honour stream_options.include_usage.
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         super().__init__(name, backend, pool)

@@ -44,6 +44,8 @@ class Exchange:
         "pool_ms",
         "rejected_by",
         "request_id",
+        "route_ms",
+        "routed",
         "served",
         "started",
         "state",
@@ -83,6 +85,8 @@ class Exchange:
         self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
         self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head
         self.pool_ms = 0.0  # of which getting a connection for the attempt that served
+        self.route_ms = 0.0  # of which choosing endpoints (replicas) within backends
+        self.routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)
         self.overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
         self.state: dict[str, Any] = {}
         self.labels: dict[str, str] = {}  # metric label -> value, for the labels plugins declare

@@ -25,6 +25,7 @@ class Runtime:
         ]
         self.telemetry = Telemetry(settings, self.plugins, self.store)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
+        self.upstreams.instrument(self.meter)
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.started = False
 

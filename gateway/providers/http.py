@@ -1,23 +1,22 @@
-"""What the HTTP backends share: a warm pool to one origin and a request written from pre-built bytes.
+"""What the HTTP backends share: warm pools to the backend's endpoints and a request written from pre-built bytes.
 
 Everything that does not change between requests (the path prefix, the credential header, the static
 headers) is serialised once here; a request adds only its target path, its ids and its body. The
-client's own credentials and headers are never forwarded: the backend's are injected instead.
+client's own credentials and headers are never forwarded: the backend's are injected instead. Which
+endpoint (replica) a request goes to is the backend's route policy's choice (gateway/endpoints.py, route.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import ssl
 from typing import TYPE_CHECKING, ClassVar
-from urllib.parse import urlsplit
 
 import orjson
 
-from gateway.http2 import Http2Client
-from gateway.pool import Pool, PoolError, PoolLimits
+from gateway import route
+from gateway.endpoints import Endpoints
+from gateway.pool import PoolLimits
 from gateway.settings import ConfigError
 
 if TYPE_CHECKING:
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
     from gateway.settings import PoolSettings, RemoteBackend
 
 log = logging.getLogger("sluice.upstream")
-
-MAINTAIN_INTERVAL_S = 5.0
 
 
 def header_lines(headers: dict[str, str]) -> bytes:
@@ -53,8 +50,7 @@ class HttpProvider:
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         self.name = name
-        self.url = backend.base_url.rstrip("/")
-        self.base_path = urlsplit(self.url).path
+        self.base_path = backend.path
         self.limits = PoolLimits(
             max_connections=pool.max_connections,
             max_idle=pool.keepalive,
@@ -69,12 +65,16 @@ class HttpProvider:
         static.update(self.auth_headers(backend.api_key))
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
-        self.ssl = tls_context(name, backend) if self.url.startswith("https://") else None
-        self.http2 = pool.http2
-        self.pool: Pool | None = None
-        self.client: Pool | Http2Client | None = None
-        self._maintainer: asyncio.Task[None] | None = None
-        self._ready = False
+        urls = [backend.base_url] if backend.base_url is not None else backend.endpoints or []
+        https = backend.discovery.scheme == "https" if backend.discovery is not None else urls[0].startswith("https")
+        spec = backend.discovery
+        # The backend's address as configured (spans' server.address when no endpoint was chosen).
+        self.url = urls[0].rstrip("/") if spec is None else f"{spec.scheme}://{spec.dns}:{spec.port}{self.base_path}"
+        self.ssl = tls_context(name, backend) if https else None
+        self.endpoints = Endpoints(name, backend, self.limits, self.ssl, pool.http2)
+        # One fixed endpoint has nothing to choose from: no policy, no routing work per request.
+        alone = backend.discovery is None and len(urls) == 1
+        self.route: route.Policy | None = None if alone else route.build(backend.routing, self.endpoints.fresh_s)
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         return {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -89,39 +89,17 @@ class HttpProvider:
         return orjson.dumps({**ex.json, "model": target.upstream_model})
 
     async def start(self) -> None:
-        if self.http2:
-            self.client = Http2Client(self.url, self.limits, self.ssl)
-        else:
-            self.pool = self.client = Pool(self.url, self.limits, self.ssl)
-        try:
-            warm = await self.client.warm() if self.limits.warm else 0
-        except PoolError as exc:
-            warm = 0
-            log.warning("backend %s: warm-up failed: %s", self.name, exc)
-        self._ready = warm >= min(self.limits.warm, 1) or self.limits.warm == 0
-        if self._ready:
-            log.info("backend %s: %d warm connection(s) to %s", self.name, warm, self.url)
-        if self.pool is not None:
-            self._maintainer = asyncio.get_running_loop().create_task(self.pool.maintain(MAINTAIN_INTERVAL_S))
+        await self.endpoints.start()
 
     @property
     def ready(self) -> bool:
-        # Ready once warm; a backend that was down at start-up becomes ready when the keep-warm loop connects.
-        return self._ready or (self.pool is not None and self.pool.size > 0)
+        return self.endpoints.ready
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
-        assert self.client is not None, "provider not started"
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
-        response = await self.client.request(b"POST", self.path(ex, target), headers, self.body(ex, target))
-        self._ready = True
-        return response
+        return await self.endpoints.send(ex, self.route, self.path(ex, target), headers, self.body(ex, target))
 
     async def aclose(self) -> None:
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintainer
-        if self.client is not None:
-            await self.client.aclose()
+        await self.endpoints.aclose()

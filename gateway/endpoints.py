@@ -1,0 +1,438 @@
+"""One backend's endpoints (its replicas): a warm pool and a health record each, and the choice between them.
+
+A backend names one `base_url`, a list of `endpoints`, or a DNS name (`discovery`) whose A/AAAA records are
+its replicas, as a Kubernetes headless Service gives them; the name is resolved again every `interval_s`:
+an address that appears gets a warm pool before it takes traffic, one that disappears stops taking traffic
+and is closed once its requests are done.
+
+`Endpoints.send` asks the backend's route policy (gateway/route.py) for an endpoint and sends there. A
+failure before the response head (connect error, reset, 5xx, 429) is tried on another endpoint, each at
+most once, before the caller sees the last failure and the model's fallback chain is consulted.
+
+Outlier detection follows Envoy's: `consecutive_failures` connect errors, resets or 5xx in a row eject an
+endpoint for `base_ejection_s`, doubled for every ejection while it keeps failing (up to `max_ejection_s`).
+When the time is up live traffic probes it: one success returns it, one failure ejects it again. At most
+`max_ejected_percent` of the endpoints are out at once, and never the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from gateway.http2 import Http2Client
+from gateway.pool import ConnectError, Pool, PoolError, PoolLimits, RemoteProtocolError
+
+if TYPE_CHECKING:
+    import ssl
+
+    from gateway.context import Exchange
+    from gateway.providers.base import UpstreamResponse
+    from gateway.route import Policy
+    from gateway.settings import RemoteBackend
+
+log = logging.getLogger("sluice.upstream")
+
+MAINTAIN_INTERVAL_S = 5.0
+DRAIN_LIMIT_S = 60.0  # a removed endpoint's streams get this long to end before its pool is closed
+# Failures that say the endpoint, not the request, is the problem; anything else is not tried elsewhere.
+RETRIED_ERRORS = (ConnectError, RemoteProtocolError)
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """The addresses of `host` (A and AAAA), sorted, each once."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+class Endpoint:
+    """One replica: its client, how busy it is, what it has recently been sent, whether it is ejected."""
+
+    __slots__ = (
+        "client",
+        "ejected_until",
+        "ejections",
+        "failures",
+        "gauge",
+        "kv",
+        "label",
+        "maintainer",
+        "metrics_url",
+        "pool",
+        "probing",
+        "running",
+        "scraped_at",
+        "seen",
+        "url",
+        "waiting",
+    )
+
+    def __init__(self, url: str, limits: PoolLimits, tls: ssl.SSLContext | None, http2: bool) -> None:
+        self.url = url
+        scheme, _, rest = url.partition("://")
+        origin = rest.split("/", 1)[0]
+        self.label = origin  # host:port, the `endpoint` label of metrics and spans
+        self.metrics_url = f"{scheme}://{origin}/metrics"  # vLLM serves it at the root, not under /v1
+        self.pool: Pool | None = None if http2 else Pool(url, limits, tls)
+        self.client: Pool | Http2Client = self.pool if self.pool is not None else Http2Client(url, limits, tls)
+        self.maintainer: asyncio.Task[None] | None = None
+        self.failures = 0  # consecutive
+        self.ejections = 0  # in a row, for the back-off
+        self.ejected_until = 0.0  # time.monotonic(); 0: in service
+        self.probing = False  # back from an ejection, not yet proven healthy
+        self.gauge: Any = None
+        # Prefix routing: block hash -> when it was last sent here (gateway/route.py keeps it).
+        self.seen: OrderedDict[bytes, float] = OrderedDict()
+        # The server's own view (vLLM /metrics), when scraped: requests queued and running, KV-cache usage.
+        self.waiting = 0.0
+        self.running = 0.0
+        self.kv = 0.0
+        self.scraped_at = -1e9
+
+    def outstanding(self) -> int:
+        """Requests this process has in flight here: connections checked out of its pool."""
+        pool = self.pool
+        return pool.size - pool.idle if pool is not None else 0
+
+    def load(self, now: float, fresh_s: float) -> float:
+        """In flight here; with fresh server metrics, the server's count if higher (other gateways send too)."""
+        mine = float(self.outstanding())
+        if now - self.scraped_at <= fresh_s:
+            return max(mine, self.waiting + self.running)
+        return mine
+
+    def kv_usage(self, now: float, fresh_s: float) -> float:
+        return self.kv if now - self.scraped_at <= fresh_s else 0.0
+
+    def set_up(self, up: bool) -> None:
+        if self.gauge is not None:
+            self.gauge.set(1 if up else 0)
+
+    async def start(self, name: str) -> int:
+        try:
+            warm = await self.client.warm() if self.pool is None or self.pool.limits.warm else 0
+        except PoolError as exc:
+            log.warning("backend %s: warm-up of %s failed: %s", name, self.label, exc)
+            warm = -1
+        if self.pool is not None:
+            self.maintainer = asyncio.get_running_loop().create_task(self.pool.maintain(MAINTAIN_INTERVAL_S))
+        return warm
+
+    async def aclose(self) -> None:
+        if self.maintainer is not None:
+            self.maintainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.maintainer
+        await self.client.aclose()
+
+
+class Endpoints:
+    """The endpoints of one backend, built at start-up; `send` is the request path."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: RemoteBackend,
+        limits: PoolLimits,
+        tls: ssl.SSLContext | None,
+        http2: bool = False,
+        resolver: Resolver = resolve,
+    ) -> None:
+        self.name = name
+        self.limits = limits
+        self.tls = tls
+        self.http2 = http2
+        self.outlier = backend.outlier
+        self.discovery = backend.discovery
+        self.resolver = resolver
+        routing = backend.routing
+        self.scrape = routing.metrics if routing.metrics is not None else getattr(backend, "type", "") == "vllm"
+        self.scrape_interval = routing.metrics_interval_s
+        self.fresh_s = 3.0 * routing.metrics_interval_s  # older server metrics are ignored
+        urls = [backend.base_url] if backend.base_url is not None else backend.endpoints or []
+        self.urls = [url.rstrip("/") for url in urls]
+        self.all: list[Endpoint] = []  # built at start(): a pool needs the running loop
+        self.live: list[Endpoint] = []  # in service or probing: what the policy picks from
+        self.next_return = float("inf")  # when the earliest ejection ends
+        self.gauge: Any = None
+        self._ready = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._draining: set[asyncio.Task[None]] = set()
+
+    def _make(self, url: str) -> Endpoint:
+        endpoint = Endpoint(url, self.limits, self.tls, self.http2)
+        if self.gauge is not None:
+            endpoint.gauge = self.gauge.labels(self.name, endpoint.label)
+            endpoint.set_up(True)
+        return endpoint
+
+    def instrument(self, gauge: Any) -> None:
+        """`sluice_endpoint_up{backend,endpoint}`: 1 in service, 0 ejected."""
+        self.gauge = gauge
+        for endpoint in self.all:
+            endpoint.gauge = gauge.labels(self.name, endpoint.label)
+            endpoint.set_up(endpoint.ejected_until == 0.0)
+
+    # -- start-up and background work ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.discovery is not None:
+            await self.refresh()
+            self._tasks.append(loop.create_task(self._rediscover()))
+        else:
+            self.all = [self._make(url) for url in self.urls]
+            self.live = list(self.all)
+            results = await asyncio.gather(*(endpoint.start(self.name) for endpoint in self.all))
+            self._started(self.all, results)
+        if self.scrape:
+            self._tasks.append(loop.create_task(self._scrape()))
+
+    def _started(self, endpoints: list[Endpoint], results: list[int]) -> None:
+        warm = sum(max(result, 0) for result in results)
+        if not self._ready and (any(result > 0 for result in results) or self.limits.warm == 0):
+            self._ready = True
+            where = endpoints[0].url if len(endpoints) == 1 else f"{len(endpoints)} endpoints"
+            log.info("backend %s: %d warm connection(s) to %s", self.name, warm, where)
+        now = time.monotonic()
+        for endpoint, result in zip(endpoints, results, strict=True):
+            if result < 0 and len(self.all) > 1:
+                endpoint.failures = self.outlier.consecutive_failures - 1
+                self.failed(endpoint, "warm-up failed", now)
+
+    @property
+    def ready(self) -> bool:
+        # Ready once warm; endpoints down at start-up make it ready when a keep-warm loop connects.
+        return self._ready or any(e.pool is not None and e.pool.size > 0 for e in self.all)
+
+    async def refresh(self) -> None:
+        """Resolve the discovery name again: warm and add new addresses, drain the ones gone."""
+        assert self.discovery is not None
+        spec = self.discovery
+        try:
+            addresses = await self.resolver(spec.dns, spec.port)
+        except OSError as exc:
+            kept = len(self.all)
+            log.warning("backend %s: cannot resolve %s: %s (keeping %d endpoint(s))", self.name, spec.dns, exc, kept)
+            return
+        if not addresses:
+            log.warning("backend %s: %s has no addresses (keeping %d endpoint(s))", self.name, spec.dns, len(self.all))
+            return
+        urls = [f"{spec.scheme}://{_host(address)}:{spec.port}{spec.path.rstrip('/')}" for address in addresses]
+        known = {endpoint.url: endpoint for endpoint in self.all}
+        added = [self._make(url) for url in urls if url not in known]
+        gone = [endpoint for url, endpoint in known.items() if url not in set(urls)]
+        if not added and not gone:
+            return
+        results = await asyncio.gather(*(endpoint.start(self.name) for endpoint in added))
+        self.all = [endpoint for endpoint in self.all if endpoint not in gone] + added
+        self._relive(time.monotonic())
+        self._started(added, results)
+        for endpoint in gone:
+            endpoint.set_up(False)
+            task = asyncio.get_running_loop().create_task(self._drain(endpoint))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+        log.info(
+            "backend %s: %s resolved to %d endpoint(s)%s%s",
+            self.name,
+            spec.dns,
+            len(self.all),
+            f", added {', '.join(e.label for e in added)}" if added else "",
+            f", removed {', '.join(e.label for e in gone)}" if gone else "",
+        )
+
+    async def _rediscover(self) -> None:
+        assert self.discovery is not None
+        while True:
+            await asyncio.sleep(self.discovery.interval_s)
+            await self.refresh()
+
+    async def _drain(self, endpoint: Endpoint) -> None:
+        deadline = time.monotonic() + DRAIN_LIMIT_S
+        while endpoint.outstanding() and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        await endpoint.aclose()
+
+    async def _scrape(self) -> None:
+        """Every endpoint's vLLM load metrics, once a `metrics_interval_s`; a failed scrape leaves them to age out."""
+        import httpx  # off the request path: one small GET per endpoint and interval
+
+        verify: ssl.SSLContext | bool = self.tls if self.tls is not None else True
+        async with httpx.AsyncClient(timeout=self.scrape_interval, verify=verify) as client:
+
+            async def one(endpoint: Endpoint) -> None:
+                try:
+                    response = await client.get(endpoint.metrics_url)
+                except httpx.HTTPError:
+                    return
+                found = parse_load(response.text) if response.status_code == 200 else None
+                if found is not None:
+                    endpoint.waiting, endpoint.running, endpoint.kv = found
+                    endpoint.scraped_at = time.monotonic()
+
+            while True:
+                await asyncio.gather(*(one(endpoint) for endpoint in list(self.all)))
+                await asyncio.sleep(self.scrape_interval)
+
+    async def aclose(self) -> None:
+        for task in [*self._tasks, *self._draining]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._draining, return_exceptions=True)
+        await asyncio.gather(*(endpoint.aclose() for endpoint in self.all), return_exceptions=True)
+
+    # -- the request path ---------------------------------------------------------------------------------
+
+    async def send(
+        self, ex: Exchange, policy: Policy | None, path: bytes, headers: bytes, body: bytes
+    ) -> UpstreamResponse:
+        """The first endpoint's response head that is not a retryable failure, or the last failure."""
+        all_ = self.all
+        if policy is None and len(all_) == 1:  # one endpoint, nothing to choose: no routing work at all
+            endpoint = all_[0]
+            try:
+                response = await endpoint.client.request(b"POST", path, headers, body)
+            except RETRIED_ERRORS as exc:
+                self.failed(endpoint, str(exc))
+                raise
+            if response.status >= 500:
+                self.failed(endpoint, f"status {response.status}")
+            elif endpoint.failures or endpoint.probing:
+                self.succeeded(endpoint)
+            return response
+        now = time.monotonic()
+        if now >= self.next_return:
+            self._relive(now)
+        remaining = list(self.live) if len(self.live) > 0 else list(all_)
+        if not remaining:
+            raise ConnectError(f"no endpoints: {self.discovery.dns if self.discovery else ''} resolved to none")
+        assert policy is not None
+        started = time.perf_counter()
+        key = policy.key(ex)
+        while True:
+            endpoint, score = policy.pick(key, remaining, now)
+            ex.route_ms += (time.perf_counter() - started) * 1000.0
+            ex.routed = (endpoint.label, policy.name, score)
+            try:
+                response = await endpoint.client.request(b"POST", path, headers, body)
+            except RETRIED_ERRORS as exc:
+                self.failed(endpoint, str(exc))
+                remaining.remove(endpoint)
+                if not remaining:
+                    raise
+                log.info("backend %s: %s failed (%s), trying another endpoint", self.name, endpoint.label, exc)
+            else:
+                status = response.status
+                if status < 500 and status != 429:
+                    if endpoint.failures or endpoint.probing:
+                        self.succeeded(endpoint)
+                    policy.served(key, endpoint, now)
+                    return response
+                if status >= 500:
+                    self.failed(endpoint, f"status {status}")
+                remaining.remove(endpoint)
+                if not remaining:
+                    return response  # the caller maps it, and may try the next model
+                response.close()
+                log.info("backend %s: %s answered %d, trying another endpoint", self.name, endpoint.label, status)
+            started = time.perf_counter()
+            now = time.monotonic()
+
+    # -- outlier detection --------------------------------------------------------------------------------
+
+    def failed(self, endpoint: Endpoint, reason: str, now: float | None = None) -> None:
+        endpoint.failures += 1
+        if endpoint.probing or endpoint.failures >= self.outlier.consecutive_failures:
+            self._eject(endpoint, reason, time.monotonic() if now is None else now)
+
+    def succeeded(self, endpoint: Endpoint) -> None:
+        endpoint.failures = 0
+        if endpoint.probing:
+            endpoint.probing = False
+            endpoint.ejections = 0
+            endpoint.set_up(True)
+            log.info("backend %s: endpoint %s returned to service", self.name, endpoint.label)
+
+    def _eject(self, endpoint: Endpoint, reason: str, now: float) -> None:
+        if endpoint.ejected_until > now or endpoint not in self.all:
+            return
+        out = sum(1 for e in self.all if e.ejected_until > now)
+        spec = self.outlier
+        if out + 1 > len(self.all) * spec.max_ejected_percent / 100.0 or out + 1 >= len(self.all):
+            return  # keep serving from it: an ejection here would leave too few (or no) endpoints
+        seconds = min(spec.max_ejection_s, spec.base_ejection_s * 2.0**endpoint.ejections)
+        endpoint.ejections += 1
+        endpoint.ejected_until = now + seconds
+        endpoint.probing = False
+        endpoint.failures = 0
+        endpoint.set_up(False)
+        self._relive(now)
+        log.warning(
+            "backend %s: endpoint %s ejected for %gs after %s (ejection %d in a row)",
+            self.name,
+            endpoint.label,
+            seconds,
+            reason,
+            endpoint.ejections,
+        )
+
+    def _relive(self, now: float) -> None:
+        """The endpoints to pick from: in service, or back from an ejection whose time is up (probing)."""
+        live = []
+        next_return = float("inf")
+        for endpoint in self.all:
+            if endpoint.ejected_until > now:
+                next_return = min(next_return, endpoint.ejected_until)
+                continue
+            if endpoint.ejected_until:
+                endpoint.ejected_until = 0.0
+                endpoint.probing = True
+            live.append(endpoint)
+        self.live = live
+        self.next_return = next_return
+
+
+def parse_load(text: str) -> tuple[float, float, float] | None:
+    """(waiting, running, KV-cache usage) from vLLM's /metrics, summed over models; None if absent.
+
+    A line scan, not a Prometheus parser: only the few `vllm:` gauges routing reads are looked at.
+    """
+    waiting = running = kv = 0.0
+    found = False
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, brace, rest = line.partition("{")
+        if brace:
+            rest = rest.rpartition("}")[2]
+        else:
+            name, _, rest = line.partition(" ")
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name == "vllm:num_requests_running":
+            running += value
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            kv = max(kv, value)
+        else:
+            continue
+        found = True
+    return (waiting, running, kv) if found else None
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address

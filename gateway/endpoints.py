@@ -98,9 +98,9 @@ class Endpoint:
         self.scraped_at = -1e9
 
     def outstanding(self) -> int:
-        """Requests this process has in flight here: connections checked out of its pool."""
+        """Requests this process has in flight here (HTTP/2: unknown, 0; scraped metrics then decide)."""
         pool = self.pool
-        return pool.size - pool.idle if pool is not None else 0
+        return pool.busy if pool is not None else 0
 
     def load(self, now: float, fresh_s: float) -> float:
         """In flight here; with fresh server metrics, the server's count if higher (other gateways send too)."""

@@ -90,7 +90,7 @@ class Endpoint:
         self.probing = False  # back from an ejection, not yet proven healthy
         self.gauge: Any = None
         # Prefix routing: block hash -> when it was last sent here (gateway/route.py keeps it).
-        self.seen: OrderedDict[bytes, float] = OrderedDict()
+        self.seen: OrderedDict[int, float] = OrderedDict()
         # The server's own view (vLLM /metrics), when scraped: requests queued and running, KV-cache usage.
         self.waiting = 0.0
         self.running = 0.0

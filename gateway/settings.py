@@ -66,8 +66,8 @@ class RoutingSettings(Strict):
 
     policy: Literal["round_robin", "least_outstanding", "session", "prefix"] = "round_robin"
     session_header: str = "x-session-id"  # session: this header, else the body's `user`
-    block_chars: int = Field(256, ge=16)  # prefix: characters per hashed block (~64 tokens)
-    max_blocks: int = Field(64, ge=1)  # prefix: how much of the leading prompt is hashed
+    block_chars: int = Field(512, ge=16)  # prefix: bytes (characters of ASCII) per hashed block, ~128 tokens
+    max_blocks: int = Field(32, ge=1)  # prefix: how much of the leading prompt is hashed (16 KiB)
     cache_blocks: int = Field(16384, ge=1)  # prefix: block hashes remembered per endpoint (LRU)
     cache_ttl_s: float = Field(600.0, gt=0)  # prefix: a block not sent for this long is taken as evicted
     load_weight: float = Field(1.0, ge=0)  # prefix: the load term's weight against the match fraction

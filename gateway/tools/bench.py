@@ -37,7 +37,7 @@ from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
 __all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", "add_arguments", "main", "run"]
 
 T = TypeVar("T")
-SCENARIOS = ("core", "tenants", "cache", "tracing")
+SCENARIOS = ("core", "tenants", "cache", "tracing", "routing")
 NEEDS_REDIS = frozenset({"tenants", "cache"})
 
 DEFAULT = BenchOptions()
@@ -171,6 +171,14 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
     """Run, print the report, write it with --write; 0 when every request succeeded."""
     if isinstance(options, argparse.Namespace):
         options = options_from_args(options)
+    if "routing" in options.scenarios:  # its own replicas and gateway: gateway/tools/bench_routing.py
+        from gateway.tools import bench_routing
+
+        seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
+        status = bench_routing.main(seconds)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != "routing"))
+        if not options.scenarios or status:
+            return status
     try:
         report = run(options)
     except BenchError as exc:

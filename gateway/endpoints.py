@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from gateway.http2 import Http2Client
-from gateway.pool import ConnectError, Pool, PoolError, PoolLimits, RemoteProtocolError
+from gateway.pool import ConnectError, Pool, PoolError, PoolLimits, RemoteProtocolError, read_all
 
 if TYPE_CHECKING:
     import ssl
@@ -294,20 +294,20 @@ class Endpoints:
     async def send(
         self, ex: Exchange, policy: Policy | None, path: bytes, headers: bytes, body: bytes
     ) -> UpstreamResponse:
-        """The first endpoint's response head that is not a retryable failure, or the last failure."""
+        """The first endpoint's answer that is not a retryable failure before its first chunk, or the last failure."""
         all_ = self.all
         if policy is None and len(all_) == 1:  # one endpoint, nothing to choose: no routing work at all
             endpoint = all_[0]
             try:
-                response = await endpoint.client.request(b"POST", path, headers, body)
+                only = await endpoint.client.request(b"POST", path, headers, body)
             except RETRIED_ERRORS as exc:
                 self.failed(endpoint, str(exc))
                 raise
-            if response.status >= 500:
-                self.failed(endpoint, f"status {response.status}")
+            if only.status >= 500:
+                self.failed(endpoint, f"status {only.status}")
             elif endpoint.failures or endpoint.probing:
                 self.succeeded(endpoint)
-            return response
+            return only
         now = time.monotonic()
         if now >= self.next_return:
             self._relive(now)
@@ -321,21 +321,31 @@ class Endpoints:
             endpoint, score = policy.pick(key, remaining, now)
             ex.route_ms += (time.perf_counter() - started) * 1000.0
             ex.routed = (endpoint.label, policy.name, score)
+            response: UpstreamResponse | None = None
             try:
                 response = await endpoint.client.request(b"POST", path, headers, body)
+                status = response.status
+                # Nothing has gone to the client until the first chunk: a replica that dies after its head
+                # (killed while the prompt is being prefilled) is still one to try the next endpoint for.
+                first = await response.next_chunk() if status < 400 else None
             except RETRIED_ERRORS as exc:
+                if response is not None:
+                    response.close()
                 self.failed(endpoint, str(exc))
                 remaining.remove(endpoint)
                 if not remaining:
                     raise
                 log.info("backend %s: %s failed (%s), trying another endpoint", self.name, endpoint.label, exc)
+            except BaseException:
+                if response is not None:
+                    response.close()
+                raise
             else:
-                status = response.status
                 if status < 500 and status != 429:
                     if endpoint.failures or endpoint.probing:
                         self.succeeded(endpoint)
                     policy.served(key, endpoint, now)
-                    return response
+                    return response if first is None else Primed(response, first)
                 if status >= 500:
                     self.failed(endpoint, f"status {status}")
                 remaining.remove(endpoint)
@@ -398,6 +408,35 @@ class Endpoints:
             live.append(endpoint)
         self.live = live
         self.next_return = next_return
+
+
+class Primed:
+    """A response whose first body chunk was read (to know the endpoint answers); that chunk is handed out first."""
+
+    __slots__ = ("_first", "_response", "acquire_ms", "complete", "headers", "status")
+
+    def __init__(self, response: UpstreamResponse, first: bytes) -> None:
+        self._response = response
+        self._first: bytes | None = first
+        self.status = response.status
+        self.headers = response.headers
+        self.acquire_ms = response.acquire_ms
+        self.complete = response.complete
+
+    async def next_chunk(self) -> bytes:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        chunk = await self._response.next_chunk()
+        self.complete = self._response.complete
+        return chunk
+
+    async def read(self) -> bytes:
+        return await read_all(self.next_chunk)
+
+    def close(self) -> None:
+        self._response.close()
 
 
 def parse_load(text: str) -> tuple[float, float, float] | None:

@@ -72,7 +72,7 @@ class RoutingSettings(Strict):
     cache_ttl_s: float = Field(600.0, gt=0)  # prefix: a block not sent for this long is taken as evicted
     load_weight: float = Field(1.0, ge=0)  # prefix: the load term's weight against the match fraction
     kv_weight: float = Field(0.3, ge=0)  # prefix: the KV-cache usage term's weight (vLLM metrics)
-    max_load_factor: float = Field(1.25, ge=1.0)  # prefix: no endpoint above this times the mean load
+    max_load_factor: float = Field(2.0, ge=1.0)  # prefix: no endpoint above this times the mean load
     metrics: bool | None = None  # scrape the endpoints' /metrics (vLLM names); default: on for type vllm
     metrics_interval_s: float = Field(1.0, gt=0)
 

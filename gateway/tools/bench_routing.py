@@ -39,8 +39,13 @@ POLICIES = ("round_robin", "least_outstanding", "session", "prefix")
 REPLICAS = 4
 MAX_BATCH = 4
 LOAD = 0.7
+PREFILL_MS = 1.0  # per uncached prompt token: what a prefix-cache hit saves
+SYSTEM_WORDS = 100  # the shared system prompt; each turn adds USER_WORDS and an answer
+USER_WORDS = (20, 80)
+MAX_TURNS = 10
+NEW_CONVERSATION = 0.15
 SIM_FLAGS = (
-    *("--ttft-ms", "20", "--prefill-ms-per-token", "0.4", "--tpot-ms", "10", "--tokens", "24"),
+    *("--ttft-ms", "20", "--prefill-ms-per-token", str(PREFILL_MS), "--tpot-ms", "10", "--tokens", "24"),
     *("--max-batch", str(MAX_BATCH), "--cache-blocks", "4096"),
 )
 LISTENING = re.compile(rb"listening on (http://\S+/v1)")
@@ -208,7 +213,7 @@ async def run_phase(
 ) -> Phase:
     phase = Phase(model if kill is None else f"{model}, one replica killed")
     rng = random.Random(seed)
-    system = f"System prompt {seed}: " + " ".join(f"rule{rng.randrange(10_000)}" for _ in range(400))
+    system = f"System prompt {seed}: " + " ".join(f"rule{rng.randrange(10_000)}" for _ in range(SYSTEM_WORDS))
     conversations: list[list[dict[str, str]]] = []
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(base_url=gateway, timeout=60.0, limits=limits) as http:
@@ -221,13 +226,13 @@ async def run_phase(
             if kill is not None and not killed and time.monotonic() > end - seconds / 2:
                 kill.send_signal(signal.SIGKILL)
                 killed = True
-            # A new conversation one time in four (or when every open one is waiting for its answer).
-            free = [i for i in range(len(conversations)) if i not in busy and len(conversations[i]) < 14]
-            if not free or rng.random() < 0.25:
+            # Now and then a new conversation (always when every open one is waiting for its answer).
+            free = [i for i in range(len(conversations)) if i not in busy and len(conversations[i]) < 2 * MAX_TURNS]
+            if not free or rng.random() < NEW_CONVERSATION:
                 conversations.append([{"role": "system", "content": system}])
                 free = [len(conversations) - 1]
             index = rng.choice(free)
-            words = " ".join(f"w{rng.randrange(100_000)}" for _ in range(rng.randrange(60, 160)))
+            words = " ".join(f"w{rng.randrange(100_000)}" for _ in range(rng.randrange(*USER_WORDS)))
             conversations[index].append({"role": "user", "content": words})
             busy.add(index)
             task = asyncio.create_task(
@@ -260,8 +265,9 @@ def main(seconds: float = 30.0) -> int:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
     urls = [url for _, url in replicas]
-    # Capacity: MAX_BATCH at once per replica, a turn taking ~ ttft + prefill of ~1,000 new tokens + decode.
-    turn_s = 0.02 + 0.0004 * 1000 + 24 * 0.010 * 1.3
+    # Capacity: MAX_BATCH at once per replica, a turn taking ttft + the prefill of ~1,000 uncached tokens (a
+    # mid-conversation turn where nothing is cached) + 24 tokens of decode slowed by the batch.
+    turn_s = 0.02 + PREFILL_MS / 1000.0 * 1000 + 24 * 0.010 * 1.3
     rate = LOAD * REPLICAS * MAX_BATCH / turn_s
     return _run(replicas, urls, rate, seconds, costs)
 

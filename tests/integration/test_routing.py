@@ -84,7 +84,7 @@ def test_a_hot_prefix_spreads_once_its_replica_is_loaded(replicas: list[Scripted
     for up in replicas:
         up.default = Ok(ttft_ms=600, tokens=2)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "the same question " * 40}]
-    with gateway_thread(config(replicas, "prefix")) as gw:
+    with gateway_thread(config(replicas, "{policy: prefix, max_load_factor: 1.25}")) as gw:
         sdk = client(gw)
         sdk.chat.completions.create(model="chat", messages=messages)  # type: ignore[arg-type]
         first = served(replicas).index(1)

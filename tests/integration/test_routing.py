@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.support.gateway import RunningGateway, free_port, gateway_thread
-from tests.support.upstream import Ok, ResetBeforeHeaders, ScriptedUpstream, Status
+from tests.support.upstream import Ok, ResetBeforeHeaders, ResetMidStream, ScriptedUpstream, Status
 
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 SYSTEM = "You are a careful assistant. " * 20  # ~580 characters: two blocks of the shared prompt
@@ -152,6 +152,18 @@ models:
             assert raw.parse().choices[0].message.content
     assert served(ups) == [2, 2]  # each failed once and served once: no endpoint tried twice for a request
     assert served([spare]) == [0]
+
+
+def test_a_stream_cut_after_its_head_but_before_its_first_chunk_goes_to_another_endpoint(
+    replicas: list[ScriptedUpstream],
+) -> None:
+    ups = replicas[:2]
+    ups[0].script(ResetMidStream(after_chunks=0))
+    with gateway_thread(config(ups, "round_robin")) as gw:
+        for _ in range(2):
+            stream = client(gw).chat.completions.create(model="chat", messages=HI, stream=True)
+            assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert served(ups)[0] >= 1 and sum(served(ups)) == 3  # the cut one, then another endpoint; then one more
 
 
 def metric(gw: RunningGateway, line_start: str) -> float | None:

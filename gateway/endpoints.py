@@ -154,11 +154,14 @@ class Endpoints:
         self.discovery = backend.discovery
         self.resolver = resolver
         routing = backend.routing
-        self.scrape = routing.metrics if routing.metrics is not None else getattr(backend, "type", "") == "vllm"
-        self.scrape_interval = routing.metrics_interval_s
-        self.fresh_s = 3.0 * routing.metrics_interval_s  # older server metrics are ignored
         urls = [backend.base_url] if backend.base_url is not None else backend.endpoints or []
         self.urls = [url.rstrip("/") for url in urls]
+        # Only a choice between endpoints reads their load: one fixed endpoint is never scraped by default.
+        choosing = backend.discovery is not None or len(urls) > 1
+        vllm = getattr(backend, "type", "") == "vllm"
+        self.scrape = routing.metrics if routing.metrics is not None else vllm and choosing
+        self.scrape_interval = routing.metrics_interval_s
+        self.fresh_s = 3.0 * routing.metrics_interval_s  # older server metrics are ignored
         self.all: list[Endpoint] = []  # built at start(): a pool needs the running loop
         self.live: list[Endpoint] = []  # in service or probing: what the policy picks from
         self.next_return = float("inf")  # when the earliest ejection ends

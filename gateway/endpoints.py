@@ -261,9 +261,11 @@ class Endpoints:
 
     async def _drain(self, endpoint: Endpoint) -> None:
         deadline = time.monotonic() + DRAIN_LIMIT_S
-        while endpoint.outstanding() and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-        await endpoint.aclose()
+        try:
+            while endpoint.outstanding() and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+        finally:  # at shutdown too, when this is cancelled
+            await endpoint.aclose()
 
     async def _scrape(self) -> None:
         """Every endpoint's vLLM load metrics, once a `metrics_interval_s`; a failed scrape leaves them to age out."""

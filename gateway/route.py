@@ -26,7 +26,7 @@ from zlib import crc32
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
-    from gateway.endpoints import Endpoint
+    from gateway.replica import Endpoint
     from gateway.settings import RoutingSettings
 
 

@@ -85,8 +85,8 @@ def pick_cost(endpoints: int = 8, turns: int = 6) -> dict[str, float]:
 
     async def measure() -> dict[str, float]:
         from gateway.context import Exchange
-        from gateway.endpoints import Endpoint
         from gateway.pool import PoolLimits
+        from gateway.replica import Endpoint
         from gateway.route import build
         from gateway.settings import RoutingSettings
 

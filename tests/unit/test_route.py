@@ -7,8 +7,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from gateway.endpoints import Endpoint, Endpoints, parse_load
+from gateway.endpoints import Endpoints
 from gateway.pool import PoolLimits
+from gateway.replica import Endpoint, parse_load
 from gateway.route import Prefix, Session, prompt_blocks
 from gateway.settings import OpenAIBackend, RoutingSettings
 from tests.support.upstream import ScriptedUpstream

@@ -6,8 +6,8 @@ an address that appears gets a warm pool before it takes traffic, one that disap
 and is closed once its requests are done.
 
 `Endpoints.send` asks the backend's route policy (gateway/route.py) for an endpoint and sends there. A
-failure before the response head (connect error, reset, 5xx, 429) is tried on another endpoint, each at
-most once, before the caller sees the last failure and the model's fallback chain is consulted.
+failure before the first chunk of the body (connect error, reset, 5xx, 429) is tried on another endpoint,
+each at most once, before the caller sees the last failure and the model's fallback chain is consulted.
 
 Outlier detection follows Envoy's: `consecutive_failures` connect errors, resets or 5xx in a row eject an
 endpoint for `base_ejection_s`, doubled for every ejection while it keeps failing (up to `max_ejection_s`).

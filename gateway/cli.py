@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -41,25 +43,41 @@ async def _build(settings: Settings, source: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    import logging.config
+
     import uvicorn
 
+    from gateway import logs
+    from gateway.settings import Listen, LogSettings
+
     settings = _config(args.config)
-    host = args.host or settings.listen.host
+    log = LogSettings(
+        level=args.log_level or settings.log.level,
+        format=args.log_format or settings.log.format,
+        access=args.access_log or settings.log.access,
+    )
     port = args.port if args.port is not None else settings.listen.port
+    listen = Listen(host=args.host or settings.listen.host, port=port)
+    settings = settings.model_copy(update={"listen": listen, "log": log})
+    log_config = logs.config(log.level, log.format)
+    logging.config.dictConfig(log_config)
     from gateway.app import SERVER_OPTIONS
 
     options: dict[str, object] = {
         **SERVER_OPTIONS,
-        "host": host,
-        "port": port,
+        "host": listen.host,
+        "port": listen.port,
         "loop": "uvloop",
-        "log_level": args.log_level,
-        "timeout_graceful_shutdown": 5,
+        "log_level": log.level,
+        "log_config": log_config,  # a dict, so that every worker process configures the same
+        "timeout_graceful_shutdown": settings.shutdown.grace_s,
     }
     if args.workers > 1:
         # Workers import the app themselves; they find the same config through the environment.
         if args.config:
             os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
+        if log.access:
+            os.environ["SLUICE_ACCESS_LOG"] = "1"
         # Prometheus multiprocess mode: each worker writes its metrics under this directory and a scrape sums
         # them. It must be in the environment before the workers start (prometheus_client reads it on import).
         metrics_dir = None
@@ -73,6 +91,8 @@ def serve(args: argparse.Namespace) -> None:
     else:
         from gateway.app import create_app
 
+        # uvicorn re-raises the SIGTERM it handled once it has shut down; a clean shutdown then exits 0.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
 
 
@@ -83,7 +103,11 @@ def check(args: argparse.Namespace) -> None:
 def sim(args: argparse.Namespace) -> None:
     from gateway.simulation import Profile
     from gateway.tools import sim as simulator
+    from gateway.tools import sim_fleet
 
+    if sim_fleet.wanted(args):
+        sim_fleet.main(args)
+        return
     simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
 
 
@@ -107,7 +131,9 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="default: info")
+    p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line (default: text)")
+    p.add_argument("--access-log", action="store_true", help="one line per request, after it ended")
     p.set_defaults(run=serve)
 
     p = commands.add_parser("check", help="validate a config as `serve` would build it, and exit")
@@ -120,6 +146,9 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=150.0)
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
+    from gateway.tools import sim_fleet
+
+    sim_fleet.add_arguments(p)
     p.set_defaults(run=sim)
 
     for name, (module, summary) in TOOLS.items():
@@ -135,7 +164,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
     command = next((word for word in words if not word.startswith("-")), None)
     args = parser(command).parse_args(words)
-    args.run(args)
+    try:
+        args.run(args)
+    except OSError as exc:
+        # A port in use or not ours to bind is a user's mistake: one line, not a traceback.
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            sys.exit(f"sluice {args.command}: {exc.strerror or exc}: {_bind_target(args)}")
+        raise
+
+
+def _bind_target(args: argparse.Namespace) -> str:
+    host, port = getattr(args, "host", None), getattr(args, "port", None)
+    return f"cannot listen on {host or '127.0.0.1'}:{port}" if port is not None else "cannot listen"
 
 
 if __name__ == "__main__":

@@ -11,34 +11,45 @@ from typing import Any
 
 import orjson
 
-DONE_EVENT = b"data: [DONE]\n\n"
+from gateway import response_events
+
+
+def sse(data: bytes) -> bytes:
+    """One SSE event carrying `data` (a JSON document or `[DONE]`): the one writer of events there is."""
+    return b"data: " + data + b"\n\n"
+
+
+DONE_EVENT = sse(b"[DONE]")
 # Replayed content goes out in pieces of about this many characters: the client's stream parser and any
 # UI see a stream, and the whole replay still fits in one write.
 PIECE = 64
+HEAD_KEYS = ("id", "created", "model", "system_fingerprint", "service_tier")
 
 
 def events(body: bytes) -> tuple[list[dict[str, Any]], bool]:
     """The JSON events of an SSE body, and whether it ended with [DONE]."""
-    found: list[dict[str, Any]] = []
+    datas = [line[5:].strip() for line in body.splitlines() if line.startswith(b"data:")]
     done = False
-    for line in body.splitlines():
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            done = True
-            continue
-        try:
-            event = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(event, dict):
-            found.append(event)
-    return found, done
+    while b"[DONE]" in datas:
+        datas.remove(b"[DONE]")
+        done = True
+    try:
+        # One parse for the whole stream rather than one per event.
+        parsed = orjson.loads(b"[" + b",".join(datas) + b"]")
+    except orjson.JSONDecodeError:
+        parsed = []
+        for data in datas:
+            try:
+                parsed.append(orjson.loads(data))
+            except orjson.JSONDecodeError:
+                continue
+    return [event for event in parsed if isinstance(event, dict)], done
 
 
 def assemble(endpoint: str, body: bytes) -> dict[str, Any] | None:
     """The whole answer a complete SSE body adds up to, in the non-stream shape; None if incomplete."""
+    if endpoint == "responses":
+        return response_events.assemble(body)
     chunks, done = events(body)
     if not done or not chunks or any("error" in chunk for chunk in chunks):
         return None
@@ -46,12 +57,14 @@ def assemble(endpoint: str, body: bytes) -> dict[str, Any] | None:
     head: dict[str, Any] = {}
     choices: dict[int, dict[str, Any]] = {}
     usage = None
+    # Every chunk repeats the head; an Azure preamble has it empty, and some fields come late.
+    for chunk in chunks[:3] + chunks[-2:]:
+        for key in HEAD_KEYS:
+            if key not in head and chunk.get(key):
+                head[key] = chunk[key]
     for chunk in chunks:
         if chunk.get("usage"):
             usage = chunk["usage"]
-        for key in ("id", "created", "model", "system_fingerprint", "service_tier"):
-            if chunk.get(key) and key not in head:
-                head[key] = chunk[key]
         for choice in chunk.get("choices") or ():
             index = choice.get("index", 0)
             into = choices.setdefault(index, {"index": index, "parts": [], "tools": {}, "finish_reason": None})
@@ -109,6 +122,8 @@ def _finish(choice: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 def replay(endpoint: str, answer: dict[str, Any], include_usage: bool) -> bytes:
     """A stored answer as the SSE body a live stream of it would have been."""
+    if endpoint == "responses":
+        return response_events.replay(answer)
     chat = endpoint == "chat/completions"
     head = {
         "id": answer.get("id", ""),
@@ -124,7 +139,7 @@ def replay(endpoint: str, answer: dict[str, Any], include_usage: bool) -> bytes:
         chunk = {**head, "choices": choices}
         if include_usage:
             chunk["usage"] = usage
-        out.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        out.append(sse(orjson.dumps(chunk)))
 
     for choice in answer.get("choices") or ():
         index = choice.get("index", 0)

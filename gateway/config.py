@@ -74,6 +74,7 @@ def parse(text: str, source: str = "<config>") -> Settings:
             *(f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems)
         )
     assert settings is not None
+    settings._source = str(Path(source).resolve()) if Path(source).is_file() else source  # for the start-up summary
     return settings
 
 

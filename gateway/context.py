@@ -37,13 +37,16 @@ class Exchange:
         "headers",
         "hedge_after_ms",
         "hedged",
+        "include_usage",
         "json",
         "labels",
+        "method",
         "model",
         "overhead_ms",
         "pool_ms",
         "rejected_by",
         "request_id",
+        "resource",
         "route_ms",
         "routed",
         "served",
@@ -67,13 +70,23 @@ class Exchange:
         started: float,
     ) -> None:
         self.request_id = request_id
-        self.endpoint = endpoint  # "chat/completions", "completions" or "embeddings"
+        self.endpoint = endpoint  # "chat/completions", "completions", "embeddings" or "responses"
+        self.method = b"POST"
+        # A stored object's path below the endpoint ("/resp_1/cancel", "/resp_1?stream=true"), empty when
+        # the request makes something new: it reads or changes what an earlier request made.
+        self.resource = ""
         self.headers = headers  # as the client sent them, names lower-cased
         self.body = body  # the raw request body, forwarded as is when nothing must change
         self.json = json  # the body parsed once
         self.started = started  # perf_counter() when the request arrived
         self.model: str = json["model"]
         self.stream: bool = bool(json.get("stream", False))
+        # What the client asked of a stream; upstreams are asked for usage either way (see streaming.py).
+        options = json.get("stream_options") if self.stream else None
+        # A Responses stream always ends with its usage (in response.completed): nothing to ask for or hide.
+        self.include_usage = endpoint == "responses" or (
+            isinstance(options, dict) and options.get("include_usage") is True
+        )
         self.tenant = "anonymous"
         self.targets: list[Target] = []
         self.served: Target | None = None

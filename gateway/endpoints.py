@@ -31,12 +31,16 @@ if TYPE_CHECKING:
     import ssl
 
     from gateway.context import Exchange
+    from gateway.health import Health
     from gateway.providers.base import UpstreamResponse
     from gateway.route import Policy
     from gateway.settings import RemoteBackend
 
 log = logging.getLogger("sluice.upstream")
 
+MAINTAIN_INTERVAL_S = 5.0
+RETRY_FIRST_S = 1.0  # a backend that is down is retried after this, then twice as long each time...
+RETRY_MAX_S = 30.0  # ...up to this
 DRAIN_LIMIT_S = 60.0  # a removed endpoint's streams get this long to end before its pool is closed
 # Failures that say the endpoint, not the request, is the problem; anything else is not tried elsewhere.
 RETRIED_ERRORS = (ConnectError, RemoteProtocolError)
@@ -59,10 +63,12 @@ class Endpoints:
         backend: RemoteBackend,
         limits: PoolLimits,
         tls: ssl.SSLContext | None,
+        health: Health,
         http2: bool = False,
         resolver: Resolver = resolve,
     ) -> None:
         self.name = name
+        self.health = health  # the backend's: up while any endpoint answers
         self.limits = limits
         self.tls = tls
         self.http2 = http2
@@ -82,7 +88,6 @@ class Endpoints:
         self.live: list[Endpoint] = []  # in service or probing: what the policy picks from
         self.next_return = float("inf")  # when the earliest ejection ends
         self.gauge: Any = None
-        self._ready = False
         self._tasks: list[asyncio.Task[None]] = []
         self._draining: set[asyncio.Task[None]] = set()
 
@@ -106,31 +111,44 @@ class Endpoints:
         loop = asyncio.get_running_loop()
         if self.discovery is not None:
             await self.refresh()
+            if not self.all:
+                self.health.mark_down(f"{self.discovery.dns} resolved to no address")
             self._tasks.append(loop.create_task(self._rediscover()))
         else:
             self.all = [self._make(url) for url in self.urls]
             self.live = list(self.all)
-            results = await asyncio.gather(*(endpoint.start(self.name) for endpoint in self.all))
-            self._started(self.all, results)
+            warm = self.limits.warm > 0  # with no warm connections wanted, nothing is opened at start-up
+            self._warmed(self.all, await asyncio.gather(*(e.warm(probe=warm) for e in self.all)))
+        self._tasks.append(loop.create_task(self._maintain()))
         if self.scrape:
             self._tasks.append(loop.create_task(self._scrape()))
 
-    def _started(self, endpoints: list[Endpoint], results: list[int]) -> None:
-        warm = sum(max(result, 0) for result in results)
-        if not self._ready and (any(result > 0 for result in results) or self.limits.warm == 0):
-            self._ready = True
-            where = endpoints[0].url if len(endpoints) == 1 else f"{len(endpoints)} endpoints"
-            log.info("backend %s: %d warm connection(s) to %s", self.name, warm, where)
+    def _warmed(self, endpoints: list[Endpoint], results: list[int | str | None]) -> bool:
+        """Record a warm-up: the backend is up while any endpoint is; an endpoint that failed is ejected."""
+        failures = [(e, r) for e, r in zip(endpoints, results, strict=True) if isinstance(r, str)]
+        if len(failures) < len(endpoints):
+            self.health.mark_up(sum(r for r in results if isinstance(r, int)))
+        elif failures:
+            self.health.mark_down(failures[0][1])
         now = time.monotonic()
-        for endpoint, result in zip(endpoints, results, strict=True):
-            if result < 0 and len(self.all) > 1:
-                endpoint.failures = self.outlier.consecutive_failures - 1
-                self.failed(endpoint, "warm-up failed", now)
+        for endpoint, error in failures:
+            if len(self.all) > 1:
+                endpoint.failures = max(endpoint.failures, self.outlier.consecutive_failures - 1)
+                self.failed(endpoint, f"warm-up failed: {error}", now)
+        return not failures
 
-    @property
-    def ready(self) -> bool:
-        # Ready once warm; endpoints down at start-up make it ready when a keep-warm loop connects.
-        return self._ready or any(e.pool is not None and e.pool.size > 0 for e in self.all)
+    async def _maintain(self) -> None:
+        """Keep every endpoint's warm connections; retry a backend that is down, with back-off."""
+        retry = RETRY_FIRST_S
+        while True:
+            await asyncio.sleep(retry if self.health.down else MAINTAIN_INTERVAL_S)
+            down = self.health.down
+            endpoints = list(self.all)
+            results = await asyncio.gather(*(endpoint.warm(probe=down) for endpoint in endpoints))
+            tried = [(e, r) for e, r in zip(endpoints, results, strict=True) if r is not None]
+            if tried:
+                self._warmed([e for e, _ in tried], [r for _, r in tried])
+            retry = min(retry * 2.0, RETRY_MAX_S) if self.health.down else RETRY_FIRST_S
 
     async def refresh(self) -> None:
         """Resolve the discovery name again: warm and add new addresses, drain the ones gone."""
@@ -151,10 +169,11 @@ class Endpoints:
         gone = [endpoint for url, endpoint in known.items() if url not in set(urls)]
         if not added and not gone:
             return
-        results = await asyncio.gather(*(endpoint.start(self.name) for endpoint in added))
+        results = await asyncio.gather(*(endpoint.warm(probe=self.limits.warm > 0) for endpoint in added))
         self.all = [endpoint for endpoint in self.all if endpoint not in gone] + added
         self._relive(time.monotonic())
-        self._started(added, results)
+        if added:
+            self._warmed(added, results)
         for endpoint in gone:
             endpoint.set_up(False)
             task = asyncio.get_running_loop().create_task(self._drain(endpoint))
@@ -213,21 +232,25 @@ class Endpoints:
     # -- the request path ---------------------------------------------------------------------------------
 
     async def send(
-        self, ex: Exchange, policy: Policy | None, path: bytes, headers: bytes, body: bytes
+        self, ex: Exchange, policy: Policy | None, method: bytes, path: bytes, headers: bytes, body: bytes
     ) -> UpstreamResponse:
         """The first endpoint's answer that is not a retryable failure before its first chunk, or the last failure."""
         all_ = self.all
         if policy is None and len(all_) == 1:  # one endpoint, nothing to choose: no routing work at all
             endpoint = all_[0]
             try:
-                only = await endpoint.client.request(b"POST", path, headers, body)
+                only = await endpoint.client.request(method, path, headers, body)
             except RETRIED_ERRORS as exc:
                 self.failed(endpoint, str(exc))
+                if isinstance(exc, ConnectError):
+                    self.health.mark_down(str(exc))
                 raise
             if only.status >= 500:
                 self.failed(endpoint, f"status {only.status}")
             elif endpoint.failures or endpoint.probing:
                 self.succeeded(endpoint)
+            if self.health.down:
+                self.health.mark_up()
             return only
         now = time.monotonic()
         if now >= self.next_return:
@@ -244,7 +267,7 @@ class Endpoints:
             ex.routed = (endpoint.label, policy.name, score)
             response: UpstreamResponse | None = None
             try:
-                response = await endpoint.client.request(b"POST", path, headers, body)
+                response = await endpoint.client.request(method, path, headers, body)
                 status = response.status
                 # Nothing has gone to the client until the first chunk: a replica that dies after its head
                 # (killed while the prompt is being prefilled) is still one to try the next endpoint for.
@@ -255,6 +278,8 @@ class Endpoints:
                 self.failed(endpoint, str(exc))
                 remaining.remove(endpoint)
                 if not remaining:
+                    if isinstance(exc, ConnectError):
+                        self.health.mark_down(str(exc))
                     raise
                 log.info("backend %s: %s failed (%s), trying another endpoint", self.name, endpoint.label, exc)
             except BaseException:
@@ -265,6 +290,8 @@ class Endpoints:
                 if status < 500 and status != 429:
                     if endpoint.failures or endpoint.probing:
                         self.succeeded(endpoint)
+                    if self.health.down:
+                        self.health.mark_up()
                     policy.served(key, endpoint, now)
                     return response if first is None else Primed(response, first)
                 if status >= 500:

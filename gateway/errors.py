@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from gateway import pool
+from gateway.completion import sse
 
 
 class GatewayError(Exception):
@@ -50,16 +51,18 @@ class GatewayError(Exception):
             self.code = code
         self.param = param
         self.headers = headers or []
+        self.details: dict[str, Any] = {}  # more fields of the error object, e.g. Azure's innererror
 
     def payload(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": {**error, **self.details} if self.details else error}
 
     def body(self) -> bytes:
         return orjson.dumps(self.payload())
 
     def sse_event(self) -> bytes:
         """The error as one SSE event, then the end of the stream, for failures after the first byte."""
-        return b"data: " + self.body() + b"\n\ndata: [DONE]\n\n"
+        return sse(self.body()) + sse(b"[DONE]")
 
 
 class BadRequestError(GatewayError):
@@ -127,15 +130,28 @@ def from_pool_error(exc: pool.PoolError, backend: str) -> GatewayError:
     if isinstance(exc, pool.ConnectError):
         return UpstreamError(f"backend {backend!r}: {exc}", code="connect_error")
     if isinstance(exc, pool.PoolTimeout):
-        return ServiceUnavailableError(f"backend {backend!r}: {exc}", code="pool_timeout")
+        return ServiceUnavailableError(
+            f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}",
+            code="upstream_pool_exhausted",
+        )
     if isinstance(exc, pool.ReadTimeout):
         return UpstreamTimeoutError(f"backend {backend!r}: {exc}")
     return UpstreamError(f"backend {backend!r}: {exc}")
 
 
 def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:
-    """An upstream's error response in our shape, with its status. Unknown bodies are quoted, shortened."""
+    """An upstream's error response in our shape, with its status. Unknown bodies are quoted, shortened.
+
+    A 401 or 403 refuses the gateway's own credential for the backend, never the client's (which is not
+    forwarded): passed on as is it would tell the client that its key is wrong, so it becomes a 502.
+    """
+    if status in (401, 403):
+        return UpstreamError(
+            f"the gateway's credential for backend {backend!r} was refused (upstream status {status})",
+            code="upstream_auth_failed",
+        )
     message, type_, code, param = "", None, None, None
+    details: dict[str, Any] = {}
     try:
         parsed = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
@@ -146,6 +162,8 @@ def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:
         type_ = _str_or_none(error.get("type"))
         code = _str_or_none(error.get("code"))  # vLLM sends the status as an int
         param = _str_or_none(error.get("param"))
+        if isinstance(error.get("innererror"), dict):
+            details["innererror"] = error["innererror"]  # Azure: which content filter fired, and why
     elif isinstance(error, str):
         message = error
     elif isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
@@ -155,7 +173,13 @@ def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:
         message = f"backend {backend!r} answered {status}" + (f": {text}" if text else "")
     if type_ is None:
         type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
-    return GatewayError(message, status=status, type=type_, code=code, param=param)
+    result = GatewayError(message, status=status, type=type_, code=code, param=param)
+    result.details = details
+    return result
+
+
+def not_json(backend: str) -> UpstreamError:
+    return UpstreamError(f"backend {backend!r} answered 200 with a body that is not JSON", code="upstream_invalid_body")
 
 
 def _str_or_none(value: object) -> str | None:

@@ -32,6 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
+    from gateway.health import Health
     from gateway.plugin import Outcome
     from gateway.settings import TelemetrySettings
     from gateway.store import Store
@@ -111,6 +112,7 @@ class Metrics:
         tenants: Iterable[str] = (),
         labels: Mapping[str, str] | None = None,
         store: Store | None = None,
+        backends: Mapping[str, Health] | None = None,
     ) -> None:
         """`labels`: the request-series labels plugins declared, with the value of a request that set none."""
         self.directory = multiprocess_dir()
@@ -192,6 +194,21 @@ class Metrics:
             registry=registry,
             multiprocess_mode="livesum",
         )
+        self.backend_up = Gauge(
+            "sluice_backend_up",
+            "1 while the gateway can reach the backend, 0 while it is down (the least over worker processes).",
+            ("backend",),
+            registry=registry,
+            multiprocess_mode="livemin",
+        )
+        self.pool_exhausted = Counter(
+            "sluice_upstream_pool_exhausted_total",
+            "Requests answered 503 because every connection to the backend was busy (pool.max_connections).",
+            ("backend",),
+            registry=registry,
+        )
+        self.backends = dict(backends or {})
+        self.exhausted_seen = {name: 0 for name in self.backends}
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
         self.series: dict[tuple[str, ...], Series] = {}
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
@@ -270,6 +287,11 @@ class Metrics:
     def exposition(self, accept: str) -> tuple[bytes, str]:
         """The body and content type of a scrape: OpenMetrics (with exemplars) if asked for, else text 0.0.4."""
         self.sync()
+        for name, health in self.backends.items():  # read at scrape time only: nothing per request
+            self.backend_up.labels(name).set(0 if health.down else 1)
+            if health.pool_exhausted != self.exhausted_seen[name]:
+                self.pool_exhausted.labels(name).inc(health.pool_exhausted - self.exhausted_seen[name])
+                self.exhausted_seen[name] = health.pool_exhausted
         registry = self.registry
         if self.directory is not None:
             registry = CollectorRegistry()

@@ -1,12 +1,13 @@
 """The request path: the only module with request control flow. Six steps, one direction.
 
-    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain
+    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain, which the routing step
+                (`route`, set by the runtime: the Responses API, background jobs) may replace
     2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects
     3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
     5 body      the relay (streaming.py), or the whole body / the plugin's reply
-    6 complete  plugins' on_complete, scheduled after the last byte: never delays the client
+    6 complete  plugins' on_complete, after the last byte: never delays the client
 
 A rejection and a plugin's reply go through steps 4 to 6 like an upstream answer, so headers and
 accounting look the same on every path. A client that disconnects cancels whatever is in flight: the
@@ -18,26 +19,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
 from gateway import errors, request
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream
+from gateway.streaming import find_usage, relay_stream, stream_rules, usage_mode
 from gateway.telemetry import server_timing
+from gateway.upstream import Opened
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Plugin
     from gateway.settings import Settings
     from gateway.telemetry import Telemetry
-    from gateway.upstream import Opened, Upstreams
+    from gateway.upstream import Upstreams
 
 log = logging.getLogger("sluice")
 
 # Upstream response headers worth passing on; everything else is hop-by-hop or the gateway's to set.
-PASSED = frozenset({b"content-type", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"})
+PASSED = frozenset(
+    {b"content-type", b"location", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"}
+)
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05
@@ -56,6 +61,12 @@ class Pipeline:
         self.on_response = hooks(plugins, "on_response")
         self.on_complete = hooks(plugins, "on_complete")
         self._background: set[asyncio.Task[None]] = set()
+        self.access = logging.getLogger("sluice.access") if settings.log.access else None
+        self.inflight = 0
+        self.cut = 0  # requests ended by shutdown after the grace period
+        # Set by the runtime: may replace `ex.targets` once they are known (Responses: only the backends that
+        # have the API; background requests: the gateway's own runner), or reject the request.
+        self.route: Callable[[Exchange], None] | None = None
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
@@ -77,6 +88,16 @@ class Pipeline:
             await self._reject(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
             return
         ex.targets = list(chain)
+        if self.route is not None:
+            try:
+                self.route(ex)
+            except errors.GatewayError as exc:
+                await self._reject(send, exc, rid)
+                return
+        await self.serve(ex, receive, send)
+
+    async def serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
+        """Steps 2 to 6 for an Exchange whose targets are set (also for requests parsed elsewhere)."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
@@ -111,116 +132,192 @@ class Pipeline:
                 watcher.add_done_callback(client_left)
 
         timer = loop.call_later(WATCH_AFTER_S, watch)
+        ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
+        self.inflight += 1
         try:
             await self._respond(ex, send, outcome)
+            ended = True
         except asyncio.CancelledError:
-            if not outcome.client_gone:
-                raise
             task.uncancel()
-            outcome.error = outcome.error or "client disconnected"
+            if outcome.client_gone:
+                outcome.error = outcome.error or "client disconnected"
+                ended = True
+            else:
+                # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
+                # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
+                done = True  # a client leaving now must not cancel the last words
+                await self._cut(ex, send, outcome)
         finally:
             done = True
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            if outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
+            if ex.resource:
+                # Reading a stored response generates nothing: its tokens and latency were counted when made.
+                outcome.usage = outcome.ttft_ms = outcome.tpot_ms = None
+            elif outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
                 outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
             # Plugins hear of every request that reached them, however it ended (a leader that fails
-            # must still release the requests following it).
+            # must still release the requests following it): in a task of its own after a cut or a bug.
+            if not ended:
+                self.inflight -= 1
+                if self.on_complete:
+                    job = loop.create_task(self._complete(ex, outcome))
+                    self._background.add(job)
+                    job.add_done_callback(self._background.discard)
+                elif self.telemetry is not None or self.access is not None:
+                    loop.call_soon(self._record, ex, outcome)
+        # The last byte has gone: the rest runs in this request's own task, which costs nothing the client
+        # waits for (uvicorn serves the connection's next request in a task of its own once this response is
+        # complete) and saves a task per request, which cost more than most plugins' completion work. The
+        # request counts as in flight until it is done, so that a drain waits for it.
+        try:
             if self.on_complete:
-                job = loop.create_task(self._complete(ex, outcome))
-                self._background.add(job)
-                job.add_done_callback(self._background.discard)
-            elif self.telemetry is not None:
-                loop.call_soon(self._record, ex, outcome)  # synchronous: no task needed
+                await self._complete(ex, outcome)
+            elif self.telemetry is not None or self.access is not None:
+                self._record(ex, outcome)
+        finally:
+            self.inflight -= 1
+
+    async def _cut(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
+        self.cut += 1
+        outcome.error = "gateway shutting down"
+        error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
+        try:
+            if ex.overhead_ms:  # set just before the head went out: the body is under way
+                if ex.stream:  # a whole answer is one message: it went out whole, or cannot be ended cleanly
+                    await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
+            else:
+                await send_error(send, error, ex.request_id)
+                outcome.status = error.status
+        except Exception:
+            log.debug("request %s: could not end it before shutdown", ex.request_id, exc_info=True)
+
+    @property
+    def busy(self) -> int:
+        """Requests in flight, and completion tasks (cache stores, SLO samples) not yet done."""
+        return self.inflight + len(self._background)
+
+    async def drain(self, timeout: float = 1.0) -> int:
+        """Wait (briefly) for requests ended by shutdown to write their last bytes and for completion tasks;
+        return how many requests were cut."""
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.cut
 
     async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
-        reply: Reply | None = None
-        opened: Opened | None = None
-        try:
-            for name, hook in self.on_request:
-                since = time.perf_counter()
-                try:
-                    reply = await hook(ex)
-                except errors.GatewayError:
-                    ex.rejected_by = name
-                    raise
-                finally:
-                    ex.mark(name, since)
-                if reply is not None:
-                    break
-            if reply is None:
-                try:
-                    opened = await self.upstreams.open(ex)
-                except errors.GatewayError as exc:
-                    reply = await self._rescue(ex, exc)
-                    if reply is None:
-                        raise
-                finally:
-                    if ex.routed is not None:  # a backend with several endpoints chose one: the gateway's time
-                        ex.upstream_ms -= ex.route_ms
-                        ex.timings.append(("route", ex.route_ms))
-                    if ex.served is not None:  # the wait for a connection, of the attempt that served
-                        ex.timings.append(("pool", ex.pool_ms))
-                    ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
-        except errors.GatewayError as exc:
-            outcome.error = exc.message
-            reply = Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
-        except Exception as exc:
-            # A bug in a plugin or here must still get an answer in the client's format, and a log line.
-            log.exception("request %s failed inside the gateway", ex.request_id)
-            error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
-            outcome.error = error.message
-            reply = Reply(status=500, headers=[JSON], body=error.body(), source="error")
-
-        # Step 4: the head.
-        if opened is not None:
-            response = opened.response
-            status = response.status
-            head_headers = []
-            for key, value in response.headers:
-                if key in PASSED:
-                    head_headers.append((key, value))
-                elif key == b"x-request-id":
-                    head_headers.append((b"x-upstream-request-id", value))
-            if ex.stream:
-                head_headers.extend(STREAM_HEADERS)
-        else:
-            assert reply is not None
-            status = reply.status
-            head_headers = list(reply.headers)
-            outcome.source = reply.source
-            if reply.stream is not None:
-                head_headers.extend(STREAM_HEADERS)
-        head_headers.append((b"x-request-id", ex.request_id.encode()))
-        if ex.served is not None:
-            head_headers.append((b"x-sluice-model", ex.served.model.encode()))
-        if ex.fallback is not None:
-            head_headers.append((b"x-sluice-fallback", ex.fallback.encode()))
-        head = ResponseHead(status, head_headers)
-        outcome.status = status
+        answer = await self._answer(ex, outcome)
+        head = self._head(ex, answer, outcome)
         taps: list[Tap] = []
         for _, hook in self.on_response:
             tap = await hook(ex, head)
             if tap is not None:
                 taps.append(tap)
-        now = time.perf_counter()
-        overhead = ex.overhead_ms = (now - ex.started) * 1000.0 - ex.upstream_ms
+        overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
         head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
         head.headers.append((b"x-sluice-overhead-ms", f"{overhead:.3f}".encode()))
-
-        # Step 5: the body.
-        if opened is not None and ex.stream:
-            try:
-                await send({"type": "http.response.start", "status": status, "headers": head.headers})
-                await relay_stream(
-                    send, opened.response, opened.first, outcome, tuple(taps), ex.started, opened.token_at
-                )
-            finally:
-                opened.response.close()
-        else:
-            await self._send_whole(send, head, opened, reply, outcome, tuple(taps))
+        await self._body(send, ex, head, answer, outcome, tuple(taps))
         outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
+
+    async def _answer(self, ex: Exchange, outcome: Outcome) -> Opened | Reply:
+        """Steps 2 and 3: a plugin's reply, an upstream's committed answer, or the error as a reply."""
+        try:
+            for name, hook in self.on_request:
+                since = time.perf_counter()
+                try:
+                    reply: Reply | None = await hook(ex)
+                except errors.GatewayError:
+                    ex.rejected_by = name  # what telemetry says refused it: the plugin, by its name
+                    raise
+                finally:
+                    ex.mark(name, since)
+                if reply is not None:
+                    return reply
+            return await self._upstream(ex)
+        except errors.GatewayError as exc:
+            outcome.error = exc.message
+            return Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
+        except Exception as exc:
+            # A bug in a plugin or here must still get an answer in the client's format, and a log line.
+            log.exception("request %s failed inside the gateway", ex.request_id)
+            error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
+            outcome.error = error.message
+            return Reply(status=500, headers=[JSON], body=error.body(), source="error")
+
+    async def _upstream(self, ex: Exchange) -> Opened | Reply:
+        try:
+            return await self.upstreams.open(ex)
+        except errors.GatewayError as exc:
+            reply = await self._rescue(ex, exc)
+            if reply is None:
+                raise
+            return reply
+        finally:
+            if ex.routed is not None:  # a backend with several endpoints chose one: the gateway's time
+                ex.upstream_ms -= ex.route_ms
+                ex.timings.append(("route", ex.route_ms))
+            if ex.served is not None:  # the wait for a connection, of the attempt that served
+                ex.timings.append(("pool", ex.pool_ms))
+            ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
+
+    def _head(self, ex: Exchange, answer: Opened | Reply, outcome: Outcome) -> ResponseHead:
+        """Step 4: the status and headers the client will get (plugins may still add to them)."""
+        if isinstance(answer, Reply):
+            status = answer.status
+            headers = list(answer.headers)
+            outcome.source = answer.source
+            streamed = answer.stream is not None
+        else:
+            status = answer.response.status
+            headers = []
+            for key, value in answer.response.headers:
+                if key in PASSED:
+                    headers.append((key, value))
+                elif key == b"x-request-id":
+                    headers.append((b"x-upstream-request-id", value))
+            streamed = ex.stream
+        if streamed:
+            headers.extend(STREAM_HEADERS)
+        headers.append((b"x-request-id", ex.request_id.encode()))
+        if ex.served is not None:
+            headers.append((b"x-sluice-model", ex.served.model.encode()))
+        if ex.fallback is not None:
+            headers.append((b"x-sluice-fallback", ex.fallback.encode()))
+        outcome.status = status
+        return ResponseHead(status, headers)
+
+    async def _body(
+        self,
+        send: Send,
+        ex: Exchange,
+        head: ResponseHead,
+        answer: Opened | Reply,
+        outcome: Outcome,
+        taps: tuple[Tap, ...],
+    ) -> None:
+        """Step 5: relay the upstream's stream, or send a whole body or a plugin's stream."""
+        if isinstance(answer, Reply):
+            if answer.stream is not None:
+                await self._send_pieces(send, head, answer.stream, outcome, taps)
+            else:
+                await self._send_whole(send, head, answer.body, outcome, taps)
+            return
+        if not ex.stream:
+            await self._send_whole(send, head, answer.first, outcome, taps)
+            if head.status < 400:
+                outcome.usage = find_usage(answer.first[-2048:])
+            return
+        try:
+            await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
+            assert ex.served is not None
+            mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
+            rules = stream_rules(ex.endpoint)
+            await relay_stream(
+                send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode, rules
+            )
+        finally:
+            answer.response.close()
 
     async def _rescue(self, ex: Exchange, error: errors.GatewayError) -> Reply | None:
         """Every target failed: a plugin may still answer (a stale cache entry) before the error goes out."""
@@ -230,25 +327,20 @@ class Pipeline:
                 return reply
         return None
 
-    async def _send_whole(
-        self,
-        send: Send,
-        head: ResponseHead,
-        opened: Opened | None,
-        reply: Reply | None,
-        outcome: Outcome,
-        taps: tuple[Tap, ...],
+    async def _send_pieces(
+        self, send: Send, head: ResponseHead, pieces: AsyncIterator[bytes], outcome: Outcome, taps: tuple[Tap, ...]
     ) -> None:
-        if reply is not None and reply.stream is not None:
-            await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
-            async for piece in reply.stream:
-                for tap in taps:
-                    tap(piece)
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            outcome.complete = True
-            return
-        body = opened.first if opened is not None else reply.body if reply is not None else b""
+        await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
+        async for piece in pieces:
+            for tap in taps:
+                tap(piece)
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        outcome.complete = True
+
+    async def _send_whole(
+        self, send: Send, head: ResponseHead, body: bytes, outcome: Outcome, taps: tuple[Tap, ...]
+    ) -> None:
         head.headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
         for tap in taps:
@@ -256,24 +348,45 @@ class Pipeline:
             tap(b"")
         await send({"type": "http.response.body", "body": body, "more_body": False})
         outcome.complete = True
-        if opened is not None and head.status < 400:
-            outcome.usage = find_usage(body[-2048:])
 
     def _record(self, ex: Exchange, outcome: Outcome) -> None:
-        assert self.telemetry is not None
         try:
-            self.telemetry.complete(ex, outcome)
+            if self.telemetry is not None:
+                self.telemetry.complete(ex, outcome)
+            if self.access is not None:
+                access_line(self.access, ex, outcome)
         except Exception:
             log.exception("telemetry failed")
 
     async def _complete(self, ex: Exchange, outcome: Outcome) -> None:
-        if self.telemetry is not None:
-            self._record(ex, outcome)
+        self._record(ex, outcome)
         for name, hook in self.on_complete:
             try:
                 await hook(ex, outcome)
             except Exception:
                 log.exception("plugin %s: on_complete failed", name)
+
+
+def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:
+    """One line per request, made after it ended: who, what, how it went and where the time went."""
+    total = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
+    status = outcome.status or 499  # the client left before the head
+    fields = {
+        "request_id": ex.request_id,
+        "tenant": ex.tenant,
+        "model": ex.model,
+        "served_model": ex.served.model if ex.served is not None else None,
+        "stream": ex.stream,
+        "status": status,
+        "ttft_ms": round(outcome.ttft_ms, 3) if outcome.ttft_ms is not None else None,
+        "total_ms": round(total, 3),
+        "overhead_ms": round(ex.overhead_ms, 3),
+        "fallback": ex.fallback,
+        "rejected_by": ex.rejected_by,
+        "error": outcome.error,
+        **ex.labels,  # what plugins report of the request (the cache's result)
+    }
+    logger.info("%s %d", ex.endpoint, status, extra={"fields": fields})
 
 
 async def send_error(send: Send, exc: errors.GatewayError, rid: str) -> None:

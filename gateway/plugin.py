@@ -118,6 +118,7 @@ class Outcome:
     total_ms: float = 0.0
     chunks: int = 0
     usage: dict[str, Any] | None = None
+    usage_source: str = "upstream"  # "estimated": counted from a stream's events, the upstream sent none
     source: str = "upstream"  # "upstream" or the plugin that answered
 
 

@@ -86,7 +86,7 @@ class Origin:
 
 @dataclass(frozen=True, slots=True)
 class PoolLimits:
-    max_connections: int = 256
+    max_connections: int = 1024
     max_idle: int = 64
     warm: int = 4
     connect_timeout: float = 5.0
@@ -367,27 +367,38 @@ class Pool:
         return len(self._all) - len(self._idle) + self._opening + len(self._waiters)
 
     async def warm(self, count: int | None = None) -> int:
-        """Open connections until `count` (default: limits.warm) are idle; return how many are idle."""
+        """Open connections until `count` (default: limits.warm) are idle; return how many are idle.
+
+        Raises the first failure when connections were wanted and none could be opened.
+        """
         want = min(self.limits.warm if count is None else count, self.limits.max_idle)
         room = self.limits.max_connections - len(self._all) - self._opening
         missing = min(want - len(self._idle), room)
+        failure: PoolError | None = None
         if missing > 0:
             results = await asyncio.gather(*(self._open() for _ in range(missing)), return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):
                     if not isinstance(result, PoolError):
                         raise result
+                    failure = failure or result
                 else:
                     self._release(result)
+        if failure is not None and not self._idle and not self._all:
+            raise failure
         return len(self._idle)
+
+    def expire(self) -> None:
+        """Close the idle connections unused for longer than the keep-alive expiry."""
+        cutoff = time.monotonic() - self.limits.keepalive_expiry
+        for conn in [c for c in self._idle if c.idle_since < cutoff]:
+            conn.abort()
 
     async def maintain(self, interval: float) -> None:
         """Close expired idle connections and keep `limits.warm` open; runs until cancelled."""
         while not self._closed:
             await asyncio.sleep(interval)
-            cutoff = time.monotonic() - self.limits.keepalive_expiry
-            for conn in [c for c in self._idle if c.idle_since < cutoff]:
-                conn.abort()
+            self.expire()
             with contextlib.suppress(PoolError):
                 await self.warm()
 

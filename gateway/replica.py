@@ -6,8 +6,6 @@ load and prefix memory to choose one.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -22,8 +20,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.upstream")
 
-MAINTAIN_INTERVAL_S = 5.0
-
 
 class Endpoint:
     """One replica: its client, how busy it is, what it has recently been sent, whether it is ejected."""
@@ -36,7 +32,6 @@ class Endpoint:
         "gauge",
         "kv",
         "label",
-        "maintainer",
         "metrics_url",
         "pool",
         "probing",
@@ -55,7 +50,6 @@ class Endpoint:
         self.metrics_url = f"{scheme}://{origin}/metrics"  # vLLM serves it at the root, not under /v1
         self.pool: Pool | None = None if http2 else Pool(url, limits, tls)
         self.client: Pool | Http2Client = self.pool if self.pool is not None else Http2Client(url, limits, tls)
-        self.maintainer: asyncio.Task[None] | None = None
         self.failures = 0  # consecutive
         self.ejections = 0  # in a row, for the back-off
         self.ejected_until = 0.0  # time.monotonic(); 0: in service
@@ -88,21 +82,20 @@ class Endpoint:
         if self.gauge is not None:
             self.gauge.set(1 if up else 0)
 
-    async def start(self, name: str) -> int:
+    async def warm(self, probe: bool = False) -> int | str | None:
+        """Top the pool up to its warm connections (expired idle ones closed first): how many are idle, or
+        what failed. `probe`: open one even when none is kept warm (a backend that is down). HTTP/2 is
+        only probed (one cheap request); None when nothing was tried."""
+        pool = self.pool
         try:
-            warm = await self.client.warm() if self.pool is None or self.pool.limits.warm else 0
+            if pool is not None:
+                pool.expire()
+                return await pool.warm(max(pool.limits.warm, 1) if probe else None)
+            return await self.client.warm() if probe else None
         except PoolError as exc:
-            log.warning("backend %s: warm-up of %s failed: %s", name, self.label, exc)
-            warm = -1
-        if self.pool is not None:
-            self.maintainer = asyncio.get_running_loop().create_task(self.pool.maintain(MAINTAIN_INTERVAL_S))
-        return warm
+            return str(exc)
 
     async def aclose(self) -> None:
-        if self.maintainer is not None:
-            self.maintainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.maintainer
         await self.client.aclose()
 
 

@@ -22,7 +22,16 @@ REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
     "chat/completions": ("messages", (list,), "an array of messages"),
     "completions": ("prompt", (str, list), "a string or an array"),
     "embeddings": ("input", (str, list), "a string or an array"),
+    "responses": ("input", (str, list), "a string or an array of input items"),
 }
+# Fields that stand in for the required one: a Responses request may come from a stored prompt template.
+INSTEAD: dict[str, str] = {"responses": "prompt"}
+
+
+# The deepest nesting of arrays and objects accepted in a request body. Real requests stay under ten levels
+# (a tool's JSON schema is the deepest part); orjson reads 1,024 levels but writes only 254, and the body is
+# written again whenever it changes (a renamed model, the cache key), so depth is checked before any stage.
+MAX_DEPTH = 128
 
 
 class ClientGone(Exception):
@@ -91,6 +100,19 @@ def decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     return data
 
 
+def too_deep(data: dict[str, Any], limit: int) -> bool:
+    """Whether arrays and objects in `data` nest more than `limit` levels (walking containers only)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
 def parse(
     endpoint: str,
     headers: list[tuple[bytes, bytes]],
@@ -105,6 +127,9 @@ def parse(
         raise errors.BadRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise errors.BadRequestError("request body must be a JSON object")
+    # A body with fewer brackets than the limit cannot nest deeper: one C-speed count settles most requests.
+    if body.count(b"{") + body.count(b"[") > MAX_DEPTH and too_deep(data, MAX_DEPTH):
+        raise errors.BadRequestError(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels")
     if path_model is not None and data.get("model") != path_model:
         # Azure-style paths name the deployment; the body's model (often absent) follows it.
         data["model"] = path_model
@@ -115,9 +140,13 @@ def parse(
     field, types, what = REQUIRED[endpoint]
     value = data.get(field)
     if value is None:
-        raise errors.BadRequestError(f"missing required parameter: '{field}'", param=field)
-    if not isinstance(value, types) or (field == "messages" and not value):
+        if INSTEAD.get(endpoint) not in data:
+            raise errors.BadRequestError(f"missing required parameter: '{field}'", param=field)
+    elif not isinstance(value, types) or (field == "messages" and not value):
         raise errors.BadRequestError(f"'{field}' must be {what}", param=field)
+    background = data.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise errors.BadRequestError("'background' must be a boolean", param="background")
     stream = data.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise errors.BadRequestError("'stream' must be a boolean", param="stream")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
+from gateway.resp import parse_url
+from gateway.responses import Responses
 from gateway.settings import Settings
-from gateway.store import Store
+from gateway.store import Store, StoreUnavailable
 from gateway.telemetry import Telemetry
 from gateway.upstream import Upstreams
 
@@ -23,30 +26,93 @@ class Runtime:
         self.plugins: list[Plugin] = [
             load_class(spec)(settings.plugin_config(spec), settings) for spec in settings.plugins
         ]
-        self.telemetry = Telemetry(settings, self.plugins, self.store)
+        self.telemetry = Telemetry(settings, self.plugins, self.store, self.upstreams)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
         self.upstreams.instrument(self.meter)
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
+        self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
+        self.pipeline.route = self.responses.route
         self.started = False
 
     async def start(self) -> None:
+        """Warm every backend (each bounded by its connect timeout), start the plugins, say what came up."""
         self.telemetry.start()
         await self.upstreams.start()
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
+        redis = await self._redis_state()
+        await self.responses.start()
         self.started = True
+        self._summary(redis)
 
     @property
     def ready(self) -> bool:
+        # Ready once every warm-up was attempted, whatever came of it: a backend that is down is routed
+        # around and retried in the background, and taking this pod out of rotation would not bring it back.
         return self.started and self.upstreams.ready
 
+    def status(self) -> dict[str, Any]:
+        """What `/status` and `/readyz` show: readiness, each backend's state, Redis, the plugins."""
+        store = self.store
+        return {
+            "status": "ready" if self.ready else "starting",
+            "backends": self.upstreams.report(),
+            "redis": {"configured": store is not None, "reachable": None if store is None else not store.down},
+            "plugins": list(self.settings.plugins),
+        }
+
+    async def _redis_state(self) -> str:
+        if self.store is None:
+            return "not configured"
+        place = _redis_place(self.settings.redis.url)
+        try:
+            await self.store.execute("PING")
+        except StoreUnavailable as exc:
+            return f"{place} unreachable ({exc}); running on in-process state until it is back"
+        return f"{place} reachable"
+
+    def _summary(self, redis: str) -> None:
+        settings = self.settings
+        source = settings.source
+        log.info("config: %s", "built-in quickstart" if source == "<built-in quickstart>" else source)
+        for name, provider in self.upstreams.providers.items():
+            backend = settings.backends[name]
+            health = provider.health
+            if backend.type == "simulated":
+                log.info("backend %s (simulated, in-process): up", name)
+                continue
+            state = f"down: {health.error}" if health.down else f"{health.state}, {health.warm} warm connection(s)"
+            log.info("backend %s (%s, %s): %s", name, backend.type, backend.base_url, state)
+        for model, chain in self.upstreams.chains.items():
+            first = chain[0]
+            fallback = ", fallback " + ", ".join(t.model for t in chain[1:]) if len(chain) > 1 else ""
+            log.info("model %s -> %s/%s%s", model, first.backend, first.upstream_model, fallback)
+        log.info("plugins: %s", ", ".join(settings.plugins) or "none")
+        log.info("redis: %s", redis)
+        log.info("listening on http://%s:%d", settings.listen.host, settings.listen.port)
+
     async def aclose(self) -> None:
+        cut = await self.pipeline.drain()
+        if cut:
+            log.warning(
+                "shutdown: %d request(s) still running after shutdown.grace_s (%g s) ended with an error event",
+                cut,
+                self.settings.shutdown.grace_s,
+            )
         for name, shutdown in reversed(hooks(self.plugins, "shutdown")):
             try:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.responses.aclose()
         await self.upstreams.aclose()
         if self.store is not None:
             await self.store.aclose()
         self.telemetry.close()  # flushes queued spans, bounded: a collector that is down does not hold up exit
+
+
+def _redis_place(url: str) -> str:
+    """host:port/db of a Redis URL (every seed of a cluster), without its credentials."""
+    addresses, options, cluster = parse_url(url)
+    nodes = ", ".join(f"{host}:{port}" for host, port in addresses)
+    return f"cluster {nodes}" if cluster else f"{nodes}/{options.db}"

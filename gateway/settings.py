@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from gateway.resp import parse_url
+
 
 class ConfigError(Exception):
     """Configuration problems, one line each, each naming the file and the YAML path."""
@@ -95,6 +97,7 @@ class RemoteBackend(Strict):
     routing: RoutingSettings = RoutingSettings()
     outlier: OutlierSettings = OutlierSettings()
     api_key: str = ""
+    responses_api: bool = True  # false for a server with chat completions only (an older vLLM)
     tls: TlsSettings = TlsSettings()
     headers: dict[str, str] = {}  # sent upstream on every request, e.g. OpenAI-Organization
     timeouts: Timeouts = Timeouts()
@@ -142,6 +145,7 @@ class AzureBackend(RemoteBackend):
 
 class SimulatedBackend(Strict):
     type: Literal["simulated"]
+    responses_api: bool = True
     ttft_ms: float = Field(150.0, ge=0)
     tpot_ms: float = Field(15.0, ge=0)
     tokens: int = Field(16, ge=1)
@@ -151,7 +155,7 @@ Backend = Annotated[OpenAIBackend | AzureBackend | VLLMBackend | SimulatedBacken
 
 
 class PoolSettings(Strict):
-    max_connections: int = Field(256, ge=1)
+    max_connections: int = Field(1024, ge=1)  # per backend; Envoy's per-cluster default
     keepalive: int = Field(64, ge=0)  # idle connections kept per backend
     http2: bool = False
     warm_connections: int = Field(4, ge=0)
@@ -175,6 +179,13 @@ class TenantSettings(Strict):
 class RedisSettings(Strict):
     url: str = ""
 
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if url:
+            parse_url(url)  # a bad scheme, port or database number is a config error, not a failing store
+        return url
+
 
 class TelemetrySettings(Strict):
     exporter: Literal["otlp", "zipkin"] = "otlp"
@@ -197,6 +208,32 @@ class TelemetrySettings(Strict):
 
 class LimitSettings(Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)  # request line + headers; over it: 431
+    header_timeout_s: float = Field(10.0, gt=0)  # to receive the request head once a request has begun: 408
+    body_timeout_s: float = Field(60.0, gt=0)  # the longest silence while receiving the body: 408
+
+
+class LogSettings(Strict):
+    level: Literal["critical", "error", "warning", "info", "debug"] = "info"  # `--log-level` overrides
+    format: Literal["text", "json"] = "text"  # `--log-format` overrides
+    access: bool = False  # one line per request, after it ended (`--access-log` turns it on)
+
+
+class ShutdownSettings(Strict):
+    grace_s: float = Field(30.0, ge=0)  # requests in flight may finish this long after SIGTERM
+
+
+class ResponsesSettings(Strict):
+    default_model: str | None = None  # serves retrievals of response ids the gateway did not see created
+    index_ttl_s: float = Field(30 * 86400.0, gt=0)  # how long the gateway remembers who created a response
+
+
+class BackgroundSettings(Strict):
+    max_inflight_per_tenant: int = Field(16, ge=1)
+    ttl_s: float = Field(86400.0, gt=0)  # how long a finished background response can be polled and resumed
+    max_events: int = Field(10000, ge=16)  # events kept per response for resuming (approximately)
+    max_seconds: float = Field(3600.0, gt=0)  # a gateway-run job still going after this is cancelled
+    lease_s: float = Field(10.0, ge=1)  # an owner silent this long is taken as dead: its jobs fail
 
 
 class Settings(Strict):
@@ -208,9 +245,19 @@ class Settings(Strict):
     redis: RedisSettings = RedisSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     limits: LimitSettings = LimitSettings()
+    log: LogSettings = LogSettings()
+    shutdown: ShutdownSettings = ShutdownSettings()
+    responses: ResponsesSettings = ResponsesSettings()
+    background: BackgroundSettings = BackgroundSettings()
     plugins: list[str] = []
     # Each listed plugin's parts of the config, validated by its own schema (set by gateway/config.py).
     _plugin_config: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    _source: str = PrivateAttr("<config>")  # where the settings were read from, for the start-up summary
+
+    @property
+    def source(self) -> str:
+        return self._source
 
     def plugin_config(self, name: str) -> Any:
         """The `Configured` parts of plugin `name`, as the loader validated them."""
@@ -230,4 +277,7 @@ def references(settings: Settings) -> list[tuple[str, str]]:
                 problems.append((f"models.{name}.fallback", f"no model named {other!r}"))
     if not settings.models:
         problems.append(("models", "at least one model is needed"))
+    default = settings.responses.default_model
+    if default is not None and default not in settings.models:
+        problems.append(("responses.default_model", f"no model named {default!r}"))
     return problems

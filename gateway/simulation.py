@@ -3,7 +3,12 @@
 The same request always gets the same text (words picked by a hash of the prompt), the same id and the same
 usage, so caches, tests and benchmarks can rely on it. Nothing here does I/O or keeps state: `simulate`
 scripts a whole reply up front, and whoever plays it applies the delays: the in-process backend
-(`gateway.providers.simulated`) and the standalone server (`gateway.tools.sim`).
+(`gateway.providers.simulated`), the standalone server (`gateway.tools.sim`) and the stand-ins for vLLM, TGI,
+llama.cpp and Ollama (`gateway.tools.sim_*`), which pace it with their replica model instead.
+
+`sse` is the one Server-Sent Events writer: every streamed event of every simulated server is framed by it.
+`chat_tokens` is the simulated tokenizer: one token per whitespace-separated word of a message's text, plus 4
+tokens of chat framing per message, so `len(chat_tokens(messages))` is the `prompt_tokens` that usage reports.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from typing import Any
 
 import orjson
 
+from gateway.completion import DONE_EVENT as DONE
+from gateway.completion import sse
+
 JSON = b"application/json"
 SSE = b"text/event-stream"
-DONE = b"data: [DONE]\n\n"
+
+
+_SLOT = b"\0"  # where a token goes in an event template
 
 # 64 words, so that one hash byte picks one word with `& 63`.
 WORDS = (
@@ -62,6 +72,7 @@ class Reply:
     pieces: list[bytes]
     ttft_s: float
     tpot_s: float
+    tokens: int = 0  # tokens generated; a chat stream's token events follow its role event
 
     @property
     def stream(self) -> bool:
@@ -75,15 +86,31 @@ class _Invalid(Exception):
         self.param = param
 
 
-def simulate(endpoint: str, body: dict[str, Any], model: str, profile: Profile) -> Reply:
-    """Script the answer to `body` sent to `endpoint` ("chat/completions", "completions" or "embeddings")."""
+def simulate(
+    endpoint: str,
+    body: dict[str, Any],
+    model: str,
+    profile: Profile,
+    cached_tokens: int | None = None,
+    usage: bool = False,
+) -> Reply:
+    """Script the answer to `body` sent to `endpoint` ("chat/completions", "completions" or "embeddings").
+
+    `cached_tokens`, when given, is reported as usage.prompt_tokens_details.cached_tokens, as vLLM and OpenAI
+    report a prefix-cache hit. `usage`: a stream reports its usage as if `stream_options.include_usage` had
+    been sent.
+    """
     try:
         if endpoint == "chat/completions":
-            return _chat(body, model, profile)
+            return _chat(body, model, profile, cached_tokens, usage)
         if endpoint == "completions":
-            return _completion(body, model, profile)
+            return _completion(body, model, profile, cached_tokens, usage)
         if endpoint == "embeddings":
             return _embeddings(body, model, profile)
+        if endpoint == "responses":
+            from gateway.simulation_responses import respond  # imports this module: import when used
+
+            return respond(body, model, profile)
     except _Invalid as exc:
         return error_reply(400, exc.message, exc.param)
     return error_reply(404, f"no such endpoint: {endpoint}")
@@ -103,46 +130,58 @@ def json_reply(status: int, body: object) -> Reply:
 # Endpoints
 
 
-def _chat(body: dict[str, Any], model: str, profile: Profile) -> Reply:
+def chat_tokens(messages: list[Any]) -> list[str]:
+    """The simulated tokenisation of valid chat messages (see the module docstring)."""
+    tokens: list[str] = []
+    for message in messages:
+        tokens += ("<|start|>", message["role"], "<|sep|>")
+        tokens += _content_text(message.get("content")).split()
+        tokens.append("<|end|>")
+    return tokens
+
+
+def _chat(body: dict[str, Any], model: str, profile: Profile, cached: int | None, usage_always: bool) -> Reply:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _Invalid("'messages' must be a non-empty array", "messages")
     prompt_tokens = sum(_message_tokens(message, i) for i, message in enumerate(messages))
     count, finish = _length(body, profile, ("max_completion_tokens", "max_tokens"))
     stream, include_usage = _stream_flags(body)
+    include_usage = include_usage or (stream and usage_always)
     ident, picks = _pick(b"chat\0" + _canonical(messages, "messages"), count)
     head = {"id": "chatcmpl-" + ident, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count}
+    usage = _usage(prompt_tokens, count, cached)
     if not stream:
         message = {"role": "assistant", "content": _text(picks), "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         return _whole({**head, "object": "chat.completion", "choices": [choice], "usage": usage}, profile, count)
     usage_null = b',"usage":null' if include_usage else b""
     events = [_event(head, {"index": 0, "delta": {"role": "assistant", "content": ""}}, None, include_usage)]
-    left = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":{"content":'
-    right = b'},"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
+    left = orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":{"content":'
+    right = b'},"logprobs":null,"finish_reason":null}]' + usage_null + b"}"
     events += _token_events(picks, left, right)
     events.append(_event(head, {"index": 0, "delta": {}}, finish, include_usage))
-    return _stream(events, head, usage if include_usage else None, profile)
+    return _stream(events, head, usage if include_usage else None, profile, count)
 
 
-def _completion(body: dict[str, Any], model: str, profile: Profile) -> Reply:
+def _completion(body: dict[str, Any], model: str, profile: Profile, cached: int | None, usage_always: bool) -> Reply:
     texts = _inputs(body.get("prompt"), "prompt")
     prompt_tokens = sum(len(text.split()) for text in texts)
     count, finish = _length(body, profile, ("max_tokens",))
     stream, include_usage = _stream_flags(body)
+    include_usage = include_usage or (stream and usage_always)
     ident, picks = _pick(b"completions\0" + orjson.dumps(texts), count)
     head = {"id": "cmpl-" + ident, "object": "text_completion", "created": int(time.time()), "model": model}
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count}
+    usage = _usage(prompt_tokens, count, cached)
     if not stream:
         choice = {"text": _text(picks), "index": 0, "logprobs": None, "finish_reason": finish}
         return _whole({**head, "choices": [choice], "usage": usage}, profile, count)
     usage_null = b',"usage":null' if include_usage else b""
-    left = b"data: " + orjson.dumps(head)[:-1] + b',"choices":[{"text":'
-    right = b',"index":0,"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
+    left = orjson.dumps(head)[:-1] + b',"choices":[{"text":'
+    right = b',"index":0,"logprobs":null,"finish_reason":null}]' + usage_null + b"}"
     events = _token_events(picks, left, right)
     events.append(_event(head, {"text": "", "index": 0}, finish, include_usage))
-    return _stream(events, head, usage if include_usage else None, profile)
+    return _stream(events, head, usage if include_usage else None, profile, count)
 
 
 def _embeddings(body: dict[str, Any], model: str, profile: Profile) -> Reply:
@@ -172,28 +211,43 @@ def _embeddings(body: dict[str, Any], model: str, profile: Profile) -> Reply:
 # Building blocks
 
 
+def _usage(prompt_tokens: int, count: int, cached: int | None) -> dict[str, Any]:
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": count,
+        "total_tokens": prompt_tokens + count,
+    }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
 def _whole(answer: dict[str, Any], profile: Profile, count: int) -> Reply:
     delay = (profile.ttft_ms + profile.tpot_ms * (count - 1)) / 1000.0
-    return Reply(200, JSON, [orjson.dumps(answer)], delay, 0.0)
+    return Reply(200, JSON, [orjson.dumps(answer)], delay, 0.0, count)
 
 
-def _stream(events: list[bytes], head: dict[str, Any], usage: dict[str, int] | None, profile: Profile) -> Reply:
+def _stream(
+    events: list[bytes], head: dict[str, Any], usage: dict[str, Any] | None, profile: Profile, count: int
+) -> Reply:
     if usage is not None:
-        events.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n")
+        events.append(sse(orjson.dumps({**head, "choices": [], "usage": usage})))
     events.append(DONE)
-    return Reply(200, SSE, events, profile.ttft_ms / 1000.0, profile.tpot_ms / 1000.0)
+    return Reply(200, SSE, events, profile.ttft_ms / 1000.0, profile.tpot_ms / 1000.0, count)
 
 
 def _event(head: dict[str, Any], choice: dict[str, Any], finish: str | None, include_usage: bool) -> bytes:
     chunk = {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
     if include_usage:
         chunk["usage"] = None
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+    return sse(orjson.dumps(chunk))
 
 
 def _token_events(picks: bytes, left: bytes, right: bytes) -> list[bytes]:
-    events = [left + _FIRST_JSON[picks[0]] + right]
-    events += [left + _NEXT_JSON[pick] + right for pick in picks[1:]]
+    """Token events from one template: `sse(left + token + right)`, framed once rather than per token."""
+    before, _, after = sse(left + _SLOT + right).partition(_SLOT)
+    events = [before + _FIRST_JSON[picks[0]] + after]
+    events += [before + _NEXT_JSON[pick] + after for pick in picks[1:]]
     return events
 
 
@@ -263,6 +317,16 @@ def _message_tokens(message: Any, index: int) -> int:
         texts = (part.get("text") for part in content if isinstance(part, dict))
         return 4 + sum(len(text.split()) for text in texts if isinstance(text, str))
     raise _Invalid("message content must be a string or an array of parts", f"messages[{index}].content")
+
+
+def _content_text(content: Any) -> str:
+    """A validated message content's text: the string, or its text parts joined by spaces."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return " ".join(text for text in texts if isinstance(text, str))
+    return ""
 
 
 def _inputs(value: Any, param: str) -> list[str]:

@@ -22,12 +22,18 @@ if TYPE_CHECKING:
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 UNSET = Status(StatusCode.UNSET)
-OPERATIONS = {"chat/completions": "chat", "completions": "text_completion", "embeddings": "embeddings"}
+OPERATIONS = {
+    "chat/completions": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+    "responses": "chat",
+}
 ROUTES = {endpoint: f"/v1/{endpoint}" for endpoint in OPERATIONS}
 # Request fields recorded on the inference span (GenAI conventions, "recommended").
 REQUEST_FIELDS = (
     ("max_tokens", "gen_ai.request.max_tokens"),
     ("max_completion_tokens", "gen_ai.request.max_tokens"),
+    ("max_output_tokens", "gen_ai.request.max_tokens"),
     ("temperature", "gen_ai.request.temperature"),
     ("top_p", "gen_ai.request.top_p"),
     ("seed", "gen_ai.request.seed"),
@@ -124,8 +130,8 @@ class Layout:
         ex, outcome = self.ex, self.outcome
         host, port = tracing.listen
         attributes: dict[str, Any] = {
-            "http.request.method": "POST",
-            "http.route": ROUTES.get(ex.endpoint, "/" + ex.endpoint),
+            "http.request.method": ex.method.decode(),
+            "http.route": ROUTES.get(ex.endpoint, "/" + ex.endpoint) + ("/{id}" if ex.resource else ""),
             "url.path": ROUTES.get(ex.endpoint, "/" + ex.endpoint),
             "url.scheme": "http",
             "network.protocol.version": "1.1",
@@ -196,6 +202,7 @@ class Layout:
                 value = usage.get(field)
                 if isinstance(value, int):
                     attributes[name] = value
+            attributes["sluice.usage_source"] = outcome.usage_source
         if outcome.ttft_ms is not None and ex.stream:
             attributes["gen_ai.response.time_to_first_chunk"] = max(outcome.ttft_ms - start, 0.0) / 1000.0
         error = error_type(outcome)

@@ -1,14 +1,13 @@
 """The shared Redis client, behind a circuit breaker, for the plugins that keep state across processes.
 
-Redis is an accelerator here, never a dependency of answering: every call has a short timeout and at most
-one immediate retry on a broken connection (redis-py 8 would otherwise retry ten times with back-off,
-seconds of latency when Redis is down),
-and after a failure the breaker stays open for a cool-down, during which calls fail at once with
-`StoreUnavailable` and callers fall back to what they have in process. The first failure and the
+Redis is an accelerator here, never a dependency of answering: every call has a short deadline and is
+tried once, and after a failure the breaker stays open for a cool-down, during which calls fail at once
+with `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
 recovery are logged once each; failures are counted for the metrics.
 
 Callers speak in commands (`execute("GET", key)`, `pipeline([...])`, `run(script, keys, args)`), never in a
-client library's objects, so that the client underneath can change without touching them.
+client library's objects. Underneath is the lean pipelined client of `resp.py` (a single server) or
+`cluster.py` (a Redis Cluster, `redis+cluster://`); replies are RESP as it comes: bytes, int, list or None.
 """
 
 from __future__ import annotations
@@ -16,19 +15,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError, NoScriptError, RedisError
+from gateway.cluster import Cluster
+from gateway.resp import Arg, Client, Redis, ReplyError, node_urls, parse_url
 
 log = logging.getLogger("sluice.store")
-
-T = TypeVar("T")
-Arg = str | bytes | int | float
 
 
 class StoreUnavailable(Exception):
@@ -46,6 +40,14 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
+def connect(url: str, **limits: Any) -> Client:
+    """The client for `url`: a single server, or a cluster found from its seeds. Nothing is opened yet."""
+    addresses, options, cluster = parse_url(url, **limits)
+    if cluster:
+        return Cluster(url, addresses, options)
+    return Redis(url, addresses[0], options)
+
+
 class Store:
     def __init__(
         self,
@@ -54,28 +56,21 @@ class Store:
         timeout_s: float = 0.05,
         connect_timeout_s: float = 0.2,
         cooldown_s: float = 1.0,
-        max_connections: int = 64,
+        connections: int = 2,
     ) -> None:
         self.url = url
-        # A blocking pool: a burst beyond max_connections waits (within the timeout) for a connection
-        # instead of failing at once, which would open the breaker although Redis is fine.
-        self.pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            # One immediate retry, for connection errors only: it replaces a pooled connection that Redis
-            # closed (a restart) at the cost of one refused connect; a slow Redis is never waited on twice.
-            retry=Retry(NoBackoff(), 1, supported_errors=(ConnectionError,)),
-            health_check_interval=30,
-        )
-        # Any: redis-py's execute_command is untyped; what comes back is whatever the command answers.
-        self.client: Any = aioredis.Redis(connection_pool=self.pool)
+        # A few connections per server carry every call, pipelined: a burst queues on them (within the
+        # deadline) instead of opening more connections, so it never opens the breaker while Redis is fine.
+        self.client = connect(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, connections=connections)
         self.cooldown_s = cooldown_s
         self.open_until = 0.0  # while time.monotonic() is below this, calls are not even tried
         self.down = False
         self.failures = 0  # total, for metrics
+
+    @property
+    def node_urls(self) -> list[str]:
+        """A plain URL per node named by `url` (a cluster's seeds), for redis-py clients off the request path."""
+        return node_urls(self.url)
 
     @property
     def available(self) -> bool:
@@ -83,49 +78,56 @@ class Store:
 
     async def execute(self, *command: Arg) -> Any:
         """One command, one round trip: `await store.execute("GET", key)`."""
-        return await self._guarded(self.client.execute_command(*command))
+        self._check()
+        try:
+            result = await self.client.call(command)
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
+            raise self._trip(exc) from exc
+        self._recovered()
+        return result
 
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
         """Several commands in one round trip; a command's error is returned in its place, not raised."""
-        return await self._guarded(self._pipeline(commands))
+        self._check()
+        try:
+            result = await self.client.pipeline(commands)
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
+            raise self._trip(exc) from exc
+        self._recovered()
+        return result
 
     async def run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
-        """EVALSHA `script`; a Redis that has forgotten it (restarted, flushed) is given it again."""
-        return await self._guarded(self._run(script, keys, args))
-
-    async def _pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
-        pipe = self.client.pipeline(transaction=False)
-        for command in commands:
-            pipe.execute_command(*command)
-        return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
-
-    async def _run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+        """EVALSHA `script`; a Redis that has forgotten it (restarted, flushed) is sent the source (EVAL)."""
+        self._check()
         try:
-            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await self.client.execute_command("SCRIPT", "LOAD", script.source)
-            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            try:
+                result = await self.client.call(("EVALSHA", script.sha, len(keys), *keys, *args))
+            except ReplyError as exc:
+                if not str(exc).startswith("NOSCRIPT"):
+                    raise
+                # EVAL runs the script and caches it, in the same round trip and on the node that owns the keys.
+                result = await self.client.call(("EVAL", script.source, len(keys), *keys, *args))
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
+            raise self._trip(exc) from exc
+        self._recovered()
+        return result
 
-    async def _guarded(self, call: Awaitable[T]) -> T:
+    def _check(self) -> None:
         if time.monotonic() < self.open_until:
-            close = getattr(call, "close", None)
-            if close is not None:
-                close()  # never awaited: say so, or Python warns about it
             raise StoreUnavailable("redis circuit open")
-        try:
-            result = await call
-        except (RedisError, OSError, TimeoutError) as exc:
-            self.failures += 1
-            self.open_until = time.monotonic() + self.cooldown_s
-            if not self.down:
-                self.down = True
-                log.warning("redis unavailable (%s): falling back to in-process state", type(exc).__name__)
-            raise StoreUnavailable(str(exc)) from exc
+
+    def _trip(self, exc: Exception) -> StoreUnavailable:
+        self.failures += 1
+        self.open_until = time.monotonic() + self.cooldown_s
+        if not self.down:
+            self.down = True
+            log.warning("redis unavailable (%s): falling back to in-process state", type(exc).__name__)
+        return StoreUnavailable(str(exc) or type(exc).__name__)
+
+    def _recovered(self) -> None:
         if self.down:
             self.down = False
             log.warning("redis is back")
-        return result
 
     async def aclose(self) -> None:
         await self.client.aclose()
-        await self.pool.aclose()

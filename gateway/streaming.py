@@ -4,12 +4,21 @@ It watches the SSE framing cheaply instead of parsing it: a regex over each chun
 token has been seen, then nothing per chunk but a clock read; usage and `[DONE]` are looked for once, in
 the last two chunks. A failure after the first byte cannot change the status any more, so it becomes one
 `data: {"error": ...}` event and `data: [DONE]`: the client always learns that the answer is incomplete.
+
+Usage for every stream: upstreams are asked for it (`stream_options.include_usage`, see
+providers/http.py) even when the client did not ask, and for such a client the relay hides it again
+(HIDE): the usage-only chunk (`"choices":[]` and a usage object, the last event before `[DONE]`) is cut
+out and the `"usage":null` every other chunk then carries is removed. To do that without parsing chunks,
+the relay holds back only an unfinished event at the end of a read (a client cannot use half an event
+anyway) and looks for `[]` in what it sends. An upstream that cannot report usage (COUNT) has its events
+counted instead, and the outcome says the tokens are estimated.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -30,6 +39,40 @@ FIRST_TOKEN = re.compile(
 )
 USAGE = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 DONE = b"data: [DONE]"
+DONE_MARK = re.compile(re.escape(DONE))
+USAGE_EVENT = re.compile(rb'"choices":\s*\[\s*\]')
+NULL_USAGE = b',"usage":null'
+NULL_USAGE_SPACED = b', "usage": null'
+
+# What the relay does about usage: pass the stream as it is (the client asked for usage), hide the usage
+# the upstream was asked for, or count events because the upstream cannot report it.
+PASS, HIDE, COUNT = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRules:
+    """How to see an endpoint's first token and its end without parsing its events."""
+
+    first_token: re.Pattern[bytes]
+    end: re.Pattern[bytes]
+    end_name: str  # for the error when it is missing
+
+
+CHAT_RULES = StreamRules(FIRST_TOKEN, DONE_MARK, "[DONE]")
+# Responses streams name every event's type; the first output is a delta of text, a refusal, a tool call's
+# arguments or reasoning, and the stream ends with its terminal event rather than [DONE].
+RESPONSES_RULES = StreamRules(
+    re.compile(
+        rb"response\.(?:output_text|refusal|function_call_arguments|custom_tool_call_input|reasoning_text"
+        rb"|reasoning_summary_text|audio_transcript|audio|code_interpreter_call_code)\.delta"
+    ),
+    re.compile(rb"response\.(?:completed|incomplete|failed)\b"),
+    "response.completed",
+)
+
+
+def stream_rules(endpoint: str) -> StreamRules:
+    return RESPONSES_RULES if endpoint == "responses" else CHAT_RULES
 
 
 def find_usage(data: bytes) -> dict[str, Any] | None:
@@ -43,7 +86,60 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
         usage = orjson.loads(found.group(1))
     except orjson.JSONDecodeError:
         return None
-    return usage if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if "input_tokens" in usage and "prompt_tokens" not in usage:
+        # The Responses API's names; the chat names are added so that every reader of usage sees one shape.
+        usage["prompt_tokens"] = usage["input_tokens"]
+        usage["completion_tokens"] = usage.get("output_tokens")
+    return usage
+
+
+def usage_mode(include_usage: bool, reports_usage: bool) -> int:
+    """PASS, HIDE or COUNT for a stream whose client did or did not ask for usage."""
+    if include_usage:
+        return PASS
+    return HIDE if reports_usage else COUNT
+
+
+def hide_usage(data: bytes) -> tuple[bytes, bytes, dict[str, Any] | None]:
+    """(what to send now, what to hold back, the usage found) for the stream read so far.
+
+    Everything up to the last complete event goes now; an unfinished event waits for the next read. A usage
+    chunk among the complete events is cut out and its usage returned.
+    """
+    if data.endswith(b"\n\n") or data.endswith(b"\r\n\r\n"):
+        out, held = data, b""
+    else:
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        out, held = data[:cut], data[cut:]
+    usage = None
+    if b"[]" in out:  # a usage chunk has empty choices; content can hold "[]" too, so look closer
+        found = None
+        for found in USAGE_EVENT.finditer(out):  # noqa: B007 - the last match is the one wanted
+            pass
+        if found is not None:
+            start = out.rfind(b"data:", 0, found.start())
+            end = _event_end(out, found.end())
+            if start >= 0 and end > 0:
+                usage = find_usage(out[start:end])
+                if usage is not None:
+                    out = out[:start] + out[end:]
+    if NULL_USAGE in out:
+        out = out.replace(NULL_USAGE, b"")
+    if NULL_USAGE_SPACED in out:
+        out = out.replace(NULL_USAGE_SPACED, b"")
+    return out, held, usage
+
+
+def _event_end(data: bytes, at: int) -> int:
+    """Where the event holding position `at` ends (after its blank line); 0 if it does not end in `data`."""
+    lf = data.find(b"\n\n", at)
+    if lf >= 0:
+        return lf + 2
+    crlf = data.find(b"\r\n\r\n", at)
+    return crlf + 4 if crlf >= 0 else 0
 
 
 async def relay_stream(
@@ -54,20 +150,31 @@ async def relay_stream(
     taps: tuple[Tap, ...],
     started: float,
     first_token_at: float = 0.0,
+    usage_mode: int = PASS,
+    rules: StreamRules = CHAT_RULES,
 ) -> None:
     """Pass an SSE body through; fill in `outcome` (TTFT, TPOT, usage, completeness) as it goes."""
     chunk = first
-    prev = prev2 = b""
+    prev = prev2 = held = b""
     last_at = 0.0
-    chunks = 0
+    chunks = events = 0
+    usage = None
     try:
         while chunk:
             chunks += 1
-            if not first_token_at and FIRST_TOKEN.search(chunk):
+            if not first_token_at and rules.first_token.search(chunk):
                 first_token_at = time.perf_counter()
-            for tap in taps:
-                tap(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            out = chunk
+            if usage_mode == HIDE:
+                out, held, found = hide_usage(held + chunk if held else chunk)
+                if found is not None:
+                    usage = found
+            elif usage_mode == COUNT:
+                events += chunk.count(b"data:")
+            if out:
+                for tap in taps:
+                    tap(out)
+                await send({"type": "http.response.body", "body": out, "more_body": True})
             prev2, prev = prev, chunk
             chunk = await response.next_chunk()
             last_at = time.perf_counter()
@@ -75,8 +182,9 @@ async def relay_stream(
         outcome.error = str(exc)
     # Usage comes in the last event before [DONE]; upstreams often send the two as separate chunks.
     tail = prev2[-2048:] + prev
-    if outcome.error is None and DONE not in tail:
-        outcome.error = "upstream stream ended without [DONE]"
+    # A Responses stream's terminal event holds the whole response and may span both chunks: look at all of it.
+    if outcome.error is None and not (rules.end.search(tail) or rules.end.search(prev2)):
+        outcome.error = f"upstream stream ended without {rules.end_name}"
     if outcome.error is not None:
         event = errors.UpstreamError(f"upstream stream failed: {outcome.error}").sse_event()
         for tap in taps:
@@ -84,11 +192,20 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": event, "more_body": False})
     else:
         outcome.complete = True
+        if held:  # an unfinished last event: passed on as the upstream sent it
+            for tap in taps:
+                tap(held)
+            await send({"type": "http.response.body", "body": held, "more_body": True})
         for tap in taps:
             tap(b"")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     outcome.chunks = chunks
-    outcome.usage = find_usage(tail)
+    outcome.usage = usage if usage_mode == HIDE else find_usage(tail)
+    if outcome.usage is None and usage_mode == COUNT and events > 2:
+        # Every event but the finish chunk and [DONE] roughly one token; no total, so nothing is corrected
+        # by it (the rate limiter keeps its estimate).
+        outcome.usage = {"completion_tokens": events - 2}
+        outcome.usage_source = "estimated"
     if first_token_at:
         outcome.ttft_ms = (first_token_at - started) * 1000.0
         tokens = (outcome.usage or {}).get("completion_tokens")

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from gateway.settings import Settings
     from gateway.store import Store
     from gateway.tracing import Tracing
+    from gateway.upstream import Upstreams
 
 log = logging.getLogger("sluice.telemetry")
 
@@ -38,10 +39,13 @@ def server_timing(timings: list[tuple[str, float]], overhead_ms: float) -> bytes
 class Telemetry:
     """One per process: metrics always, tracing when there is a collector to send spans to."""
 
-    def __init__(self, settings: Settings, plugins: list[Plugin], store: Store | None = None) -> None:
+    def __init__(
+        self, settings: Settings, plugins: list[Plugin], store: Store | None = None, upstreams: Upstreams | None = None
+    ) -> None:
         self.settings = settings
         labels = {name: default for plugin in plugins for name, default in schema_of(type(plugin)).labels.items()}
-        self.metrics = Metrics(settings.telemetry, settings.tenants, labels, store)
+        backends = {name: p.health for name, p in upstreams.providers.items()} if upstreams is not None else None
+        self.metrics = Metrics(settings.telemetry, settings.tenants, labels, store, backends)
         self.meter = Meter(self.metrics)
         self.tracing_enabled = tracecontext.enabled(settings.telemetry)
         self.tracing: Tracing | None = None

@@ -101,15 +101,25 @@ class CountingExporter(SpanExporter):
         self.inner = inner
         self.count = count
         self.handed = 0  # written by the export thread only
+        self.failing = False  # logged once when exports start failing, once when they work again
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.handed += len(spans)
+        why = "the collector refused or did not answer"
         try:
             result = self.inner.export(spans)
-        except Exception:
-            log.exception("span export failed")
+        except Exception as exc:
+            log.debug("span export failed", exc_info=True)
+            why = f"{type(exc).__name__}: {exc}"
             result = SpanExportResult.FAILURE
-        self.count("exported" if result is SpanExportResult.SUCCESS else "export_failed", len(spans))
+        ok = result is SpanExportResult.SUCCESS
+        if ok == self.failing:
+            self.failing = not ok
+            if ok:
+                log.warning("trace collector recovered: spans are exported again")
+            else:
+                log.warning("trace collector failing (%s): spans are dropped and counted as export_failed", why)
+        self.count("exported" if ok else "export_failed", len(spans))
         return result
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,14 +20,14 @@ from prometheus_client import Gauge
 
 from gateway import errors
 from gateway.context import Target
-from gateway.pool import PoolError
+from gateway.pool import PoolError, PoolTimeout
 from gateway.providers.azure import AzureProvider
 from gateway.providers.http import HttpProvider
 from gateway.providers.openai import OpenAIProvider
 from gateway.providers.simulated import SimulatedProvider
 from gateway.providers.vllm import VLLMProvider
 from gateway.simulation import Profile
-from gateway.streaming import FIRST_TOKEN
+from gateway.streaming import stream_rules
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -51,10 +52,42 @@ class Opened:
     token_at: float = 0.0  # perf_counter() when the first token was seen, if it was looked for
 
 
+@dataclass(slots=True)
+class Attempt:
+    target: Target
+    hedge: Target | None  # raced against `target` when that has no first token soon enough
+    round: int  # 0 on the first pass over the targets; each later round waits first
+
+
+class Plan:
+    """The attempts `open` makes: the targets in order, then round again while the budget lasts."""
+
+    __slots__ = ("budget", "hedging", "next", "targets")
+
+    def __init__(self, targets: list[Target], budget: int, hedging: bool) -> None:
+        self.targets = targets
+        self.budget = budget
+        self.hedging = hedging  # on the first pass, each target is paired with the next one as its hedge
+        self.next = 0
+
+    def __iter__(self) -> Iterator[Attempt]:
+        count = len(self.targets)
+        while self.next < self.budget:
+            index = self.next
+            self.next += 1
+            hedge = self.targets[index + 1] if self.hedging and index + 1 < count else None
+            yield Attempt(self.targets[index % count], hedge, index // count)
+
+    def skip(self) -> None:
+        """The next target has been tried already (it was the hedge)."""
+        self.next += 1
+
+
 def build_provider(name: str, settings: Settings) -> Provider:
     backend = settings.backends[name]
     if backend.type == "simulated":
-        return SimulatedProvider(Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens))
+        profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens)
+        return SimulatedProvider(profile, name)
     if backend.type == "azure":
         return AzureProvider(name, backend, settings.pool)
     if backend.type == "vllm":
@@ -108,7 +141,11 @@ class Upstreams:
 
     @property
     def ready(self) -> bool:
+        """Every backend's warm-up has been attempted (up or down: readiness is not the upstreams' health)."""
         return all(p.ready for p in self.providers.values())
+
+    def report(self) -> dict[str, dict[str, object]]:
+        return {name: provider.health.report() for name, provider in self.providers.items()}
 
     async def aclose(self) -> None:
         await asyncio.gather(*(p.aclose() for p in self.providers.values()), return_exceptions=True)
@@ -119,46 +156,43 @@ class Upstreams:
         Targets are tried in order. Once each has been tried, a budget left over (`max_attempts`) goes round
         again, after the last failure's `retry-after` (if it is short enough) or a jittered back-off.
         """
-        targets = ex.targets
         spec = self.targets[ex.model].settings
-        budget = spec.max_attempts or len(targets)
+        targets = ex.targets
+        for target in targets:
+            if target.provider.health.down:  # known down: the others first, it only as a last resort
+                targets = [t for t in targets if not t.provider.health.down] + [
+                    t for t in targets if t.provider.health.down
+                ]
+                break
+        plan = Plan(targets, spec.max_attempts or len(targets), ex.hedge_after_ms is not None)
         failure: errors.GatewayError | None = None
-        index = 0
-        while index < budget:
-            target = targets[index % len(targets)]
-            if index >= len(targets):
+        for attempt in plan:
+            if attempt.round:
                 assert failure is not None
-                wait = _retry_wait(failure, index // len(targets), spec.max_retry_wait_ms / 1000.0)
+                wait = _retry_wait(failure, attempt.round, spec.max_retry_wait_ms / 1000.0)
                 if wait is None:
                     break
                 await asyncio.sleep(wait)
-            hedge = targets[index + 1] if ex.hedge_after_ms is not None and index + 1 < len(targets) else None
+            target = attempt.target
             started = time.perf_counter()
             try:
-                if hedge is None:
+                if attempt.hedge is None:
                     opened = await self._attempt(ex, target)
                 else:
-                    opened, target = await self._hedged(ex, target, hedge, ex.hedge_after_ms or 0.0)
+                    opened, target = await self._hedged(ex, target, attempt.hedge, ex.hedge_after_ms or 0.0)
             except errors.GatewayError as exc:
                 ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
                 if not _retryable(exc):
                     raise
                 failure = exc
-                index += 2 if hedge is not None and ex.hedged else 1
+                if attempt.hedge is not None and ex.hedged:
+                    plan.skip()  # the hedge was tried too
                 log.info("model %s on %s failed (%s: %s)", target.model, target.backend, exc.status, exc.message)
                 continue
             finally:
                 ex.upstream_ms += (time.perf_counter() - started) * 1000.0
             ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, 0))
-            ex.pool_ms = opened.response.acquire_ms
-            ex.served = target
-            if target is not targets[0] and ex.fallback is None:
-                if ex.hedged:
-                    ex.fallback = "hedge"
-                elif isinstance(failure, errors.UpstreamTimeoutError):
-                    ex.fallback = "deadline"
-                else:
-                    ex.fallback = "error"
+            _served(ex, opened, target, failure)
             return opened
         assert failure is not None
         raise failure
@@ -167,30 +201,19 @@ class Upstreams:
         """`first`, and `second` too if `first` has no first token after `after_ms`; the faster one wins."""
         loop = asyncio.get_running_loop()
         primary = loop.create_task(self._attempt(ex, first, until_token=True))
-        racing = {primary}
+        racing = {primary: first}
         try:
-            done, _ = await asyncio.wait(racing, timeout=after_ms / 1000.0)
-            if done:
+            await asyncio.wait(racing, timeout=after_ms / 1000.0)
+            if primary.done():
                 return primary.result(), first
             ex.hedged = True
-            secondary = loop.create_task(self._attempt(ex, second, until_token=True))
-            racing.add(secondary)
-            failure: BaseException | None = None
-            while racing:
-                done, racing = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task.exception() is None:
-                        for other in done - {task}:
-                            if other.exception() is None:
-                                other.result().response.close()
-                        return task.result(), first if task is primary else second
-                    failure = task.exception()
-            assert failure is not None
-            raise failure
+            racing[loop.create_task(self._attempt(ex, second, until_token=True))] = second
+            return await _race(racing)
         finally:
             for task in racing:
-                task.cancel()  # the loser: _first closes its upstream request when cancelled
-                task.add_done_callback(_close_late_winner)
+                if not task.done():
+                    task.cancel()  # the loser: _first closes its upstream request when cancelled
+                    task.add_done_callback(_close_late_winner)
 
     async def _attempt(self, ex: Exchange, target: Target, until_token: bool = False) -> Opened:
         deadline = target.settings.first_token_deadline_ms if ex.stream else None
@@ -204,6 +227,8 @@ class Upstreams:
                 f"model {target.model!r}: no first token within {deadline:g} ms", code="first_token_deadline"
             ) from None
         except PoolError as exc:
+            if isinstance(exc, PoolTimeout):
+                target.provider.health.exhausted()
             raise errors.from_pool_error(exc, target.backend) from None
 
     async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:
@@ -212,25 +237,60 @@ class Upstreams:
             if response.status >= 400:
                 body = await _read_bounded(response)
                 error = errors.from_upstream(response.status, body, target.backend)
+                if error.code == "upstream_auth_failed":
+                    log.warning("backend %s refused the gateway's credential (%s)", target.backend, response.status)
                 error.headers = [(k, v) for k, v in response.headers if k in PASSED_ON_ERROR]
                 raise error
             if not ex.stream:
                 # A whole answer is read before anything is sent, so that a body cut short is still a clean
                 # 502 rather than a truncated 200.
-                return Opened(response, await response.read())
+                body = await response.read()
+                if not _is_json_object(body):
+                    raise errors.not_json(target.backend)  # 502: the next target is tried; never cached
+                return Opened(response, body)
             first = await response.next_chunk()
             if not until_token:
                 return Opened(response, first)  # a stream commits at its first chunk
             # With a deadline or a hedge the stream commits at its first token: a role-only chunk or Azure's
             # preamble says nothing about whether the model is generating.
             parts = [first]
-            while first and not FIRST_TOKEN.search(first):
+            first_token = stream_rules(ex.endpoint).first_token
+            while first and not first_token.search(first):
                 first = await response.next_chunk()
                 parts.append(first)
             return Opened(response, b"".join(parts), time.perf_counter() if first else 0.0)
         except BaseException:
             response.close()  # cancelled by the deadline, or failed: the upstream request ends here
             raise
+
+
+def _served(ex: Exchange, opened: Opened, target: Target, failure: errors.GatewayError | None) -> None:
+    """Record which target served and, when it was not the first, why."""
+    ex.pool_ms = opened.response.acquire_ms
+    ex.served = target
+    if target is not ex.targets[0] and ex.fallback is None:
+        if ex.hedged:
+            ex.fallback = "hedge"
+        elif isinstance(failure, errors.UpstreamTimeoutError):
+            ex.fallback = "deadline"
+        else:
+            ex.fallback = "error"
+
+
+async def _race(racing: dict[asyncio.Task[Opened], Target]) -> tuple[Opened, Target]:
+    """The first attempt to succeed, with its target; the last failure when every one fails."""
+    pending = set(racing)
+    failure: BaseException | None = None
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        won = [task for task in done if task.exception() is None]
+        if won:
+            for tie in won[1:]:
+                tie.result().response.close()
+            return won[0].result(), racing[won[0]]
+        failure = next(iter(done)).exception()
+    assert failure is not None
+    raise failure
 
 
 def _close_late_winner(task: asyncio.Task[Opened]) -> None:
@@ -252,6 +312,18 @@ def _retry_wait(failure: errors.GatewayError, round_: int, max_wait: float) -> f
             continue
         return float(advised) + random.uniform(0.0, 0.05) if advised <= max_wait else None
     return min(max_wait, 0.1 * 2.0 ** (round_ - 1)) * random.uniform(0.5, 1.0)
+
+
+def _is_json_object(body: bytes) -> bool:
+    """Whether a whole answer is framed as a JSON object: `{` ... `}` around optional whitespace.
+
+    Every OpenAI answer is an object, so an HTML error page, a proxy's text or a body cut short fails this.
+    A full parse would also catch garbage between the braces, but costs ~77 µs on a 30 kB embedding (2.4 µs on
+    a 700-byte chat answer) against ~0.3 µs for this, on every request.
+    """
+    head = body[:1] if body[:1] == b"{" else body.lstrip()[:1]  # strip (a copy) only when needed
+    tail = body[-1:] if body[-1:] == b"}" else body.rstrip()[-1:]
+    return head == b"{" and tail == b"}"
 
 
 def _retryable(exc: errors.GatewayError) -> bool:

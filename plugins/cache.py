@@ -7,7 +7,14 @@
 - Policy per model: `deterministic` (the default: only temperature 0 or a seed), `always`, `off`.
   `Cache-Control: no-cache` skips the lookup but stores the answer; `no-store` does neither.
 - Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]`. The stored
-  form is the assembled answer, written after the response has ended; it replays as JSON or as SSE.
+  form is the answer's JSON bytes (a whole body as the upstream sent it, a stream assembled once), made
+  after the response has ended; it replays as JSON or as SSE. Redis holds a one-line header and those
+  bytes, written by one background writer in pipelined batches; a miss costs one GET on the request path.
+- L1 is bounded by `l1_entries` and by `l1_bytes`, counting each entry's bytes, the SSE replays made of it
+  and a fixed overhead for its key and bookkeeping. For the Responses API only a response whose
+  status is `completed` is stored; background requests and reads of stored responses are never cached;
+  `store` is part of a Responses key (it decides whether the id can be retrieved later), and so is
+  `previous_response_id`, like every other field.
 - Single flight: identical requests that arrive while the first is running share its upstream call.
   Streaming followers get the leader's bytes as they arrive; if the leader fails before its first byte, one
   follower takes over; after it, followers get the same error event. Bounded: `max_followers`,
@@ -25,11 +32,10 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import orjson
-from cachetools import TLRUCache
 from pydantic import Field
 
 from gateway import completion
@@ -37,6 +43,7 @@ from gateway.errors import UpstreamError
 from gateway.plugin import Configured, Empty, Reply, Schema, Tap
 from gateway.settings import Strict
 from gateway.store import Store, StoreUnavailable
+from plugins.cache_l1 import L1
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -46,11 +53,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.cache")
 
-KEY_PREFIX = "sluice:cache:v1:"
+KEY_PREFIX = "sluice:cache:v2:"
 TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+# For the Responses API `store` decides whether the answer's id can be retrieved and continued later.
+RESPONSES_TRANSPORT_ONLY = TRANSPORT_ONLY - {"store"}
 JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
 HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
+# What an L1 entry costs beyond its bytes: the key (an 80-character str), the Entry and its bytes object,
+# L1's two dict slots; measured with tracemalloc (see tests/unit/test_cache_memory.py), with room to spare.
+ENTRY_OVERHEAD = 800
+WRITE_BATCH = 64  # SETs per pipelined round trip
+MAX_PENDING_WRITES = 4096  # beyond this (Redis slow), the oldest queued writes are dropped
 LABEL = "cache"  # the metric label (and span attribute sluice.cache) this plugin reports: hit|miss|bypass|stale
 
 CacheMode = Literal["deterministic", "always", "off"]
@@ -93,27 +107,50 @@ class Policy:
     shared: bool
 
 
-@dataclass(slots=True)
 class Entry:
-    endpoint: str
-    served: str  # the model that produced the answer
-    answer: dict[str, Any]
-    json: bytes  # the answer serialised once, for JSON replays
-    size: int
-    fresh_until: float  # wall-clock seconds: a hit until then, only a stale rescue after
-    expires: float  # wall-clock seconds: gone after
-    streams: dict[bool, bytes] = field(default_factory=dict)  # SSE replays made so far, by include_usage
+    __slots__ = ("endpoint", "expires", "fresh_until", "json", "served", "size", "streams")
+
+    def __init__(self, endpoint: str, served: str, json: bytes, fresh_until: float, expires: float) -> None:
+        self.endpoint = endpoint
+        self.served = served  # the model that produced the answer
+        self.json = json  # the answer's JSON, as a JSON hit sends it; parsed only to make an SSE replay
+        self.fresh_until = fresh_until  # wall-clock seconds: a hit until then, only a stale rescue after
+        self.expires = expires  # wall-clock seconds: gone after
+        self.streams: dict[bool, bytes] | None = None  # SSE replays made so far, by include_usage
+        self.size = len(json) + ENTRY_OVERHEAD  # the memory it holds, as L1 accounts it
 
     @property
     def fresh(self) -> bool:
         return time.time() < self.fresh_until
 
-    def sse(self, include_usage: bool) -> bytes:
-        """The answer as a stream, made on the first streamed hit and reused by the next ones."""
-        body = self.streams.get(include_usage)
-        if body is None:
-            body = self.streams[include_usage] = completion.replay(self.endpoint, self.answer, include_usage)
-        return body
+    def sse(self, include_usage: bool) -> tuple[bytes, bool]:
+        """The answer as a stream, made on the first streamed hit and reused by the next; True if made now."""
+        streams = self.streams
+        if streams is None:
+            streams = self.streams = {}
+        body = streams.get(include_usage)
+        if body is not None:
+            return body, False
+        body = streams[include_usage] = completion.replay(self.endpoint, orjson.loads(self.json), include_usage)
+        self.size += len(body)
+        return body, True
+
+    def record(self) -> bytes:
+        """The Redis form: a one-line JSON header, then the answer's bytes as they are."""
+        return orjson.dumps([self.endpoint, self.served, self.fresh_until]) + b"\n" + self.json
+
+    @classmethod
+    def parse(cls, record: bytes, stale_s: float) -> Entry | None:
+        header, newline, answer = record.partition(b"\n")
+        try:
+            endpoint, served, fresh_until = orjson.loads(header)
+        except (orjson.JSONDecodeError, TypeError, ValueError):
+            return None
+        if not newline or not isinstance(endpoint, str) or not isinstance(served, str):
+            return None
+        if not isinstance(fresh_until, int | float):
+            return None
+        return cls(endpoint, served, answer, fresh_until, fresh_until + stale_s)
 
 
 @dataclass(slots=True)
@@ -136,7 +173,8 @@ class Flight:
         self.done = False  # the leader's answer ended, well or badly
         self.entry: Entry | None = None  # set when it ended well and was stored
         self.failed = False
-        self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Made only when someone waits: most flights are followed by nobody.
+        self._changed: asyncio.Future[None] | None = None
 
     def feed(self, chunk: bytes) -> None:
         if chunk:
@@ -149,14 +187,20 @@ class Flight:
 
     def _wake(self) -> None:
         changed = self._changed
-        if not changed.done():
+        if changed is not None:
+            self._changed = None
+            if not changed.done():
+                changed.set_result(None)
+
+    def _waiter(self) -> asyncio.Future[None]:
+        if self._changed is None:
             self._changed = asyncio.get_running_loop().create_future()
-            changed.set_result(None)
+        return self._changed
 
     async def changed(self, timeout: float) -> bool:
         """Wait for the next chunk or the end; False on timeout."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._changed), timeout)
+            await asyncio.wait_for(asyncio.shield(self._waiter()), timeout)
         except TimeoutError:
             return False
         return True
@@ -172,7 +216,7 @@ class Flight:
                 if self.failed:
                     yield UpstreamError("the shared upstream answer broke off").sse_event()
                 return
-            await asyncio.shield(self._changed)
+            await asyncio.shield(self._waiter())
 
 
 class Cache:
@@ -191,18 +235,15 @@ class Cache:
                 else Policy(always=mode == "always", ttl_s=spec.cache.ttl_s or base.ttl_s, shared=spec.cache.shared)
             )
         self.stale_s = base.stale_s
-        self.l1: TLRUCache[str, Entry] = TLRUCache(
-            maxsize=max(base.l1_bytes, 1),
-            ttu=lambda _key, entry, _now: entry.expires,
-            timer=time.time,
-            getsizeof=lambda entry: entry.size,
-        )
+        self.l1: L1[Entry] = L1(base.l1_entries, base.l1_bytes)
         self.flights: dict[str, Flight] = {}
         self.store: Store | None = None
         self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
-        self._writes: set[asyncio.Task[None]] = set()
+        self._pending: list[tuple[str, str, bytes, str, int]] = []  # SETs not yet sent to Redis
+        self._writer: asyncio.Task[None] | None = None
         self.results: Any = None  # sluice_cache_results_total, made at start-up
         self.tenant_label: Callable[[str], str] = str
+        self._counted: dict[tuple[str, str, str], Any] = {}
 
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
@@ -214,9 +255,9 @@ class Cache:
         )
 
     async def shutdown(self) -> None:
-        for task in list(self._writes):
+        if self._writer is not None:
             with contextlib.suppress(Exception):
-                await task
+                await self._writer
 
     # on_request: look up, follow, or lead
 
@@ -235,7 +276,7 @@ class Cache:
                 self.stats["hit_l1"] += 1
             if entry is not None and entry.fresh:
                 _mark(ex, HIT)
-                return self._replay(ex, entry)
+                return self._replay(ex, key, entry)
         while True:
             flight = self.flights.get(key)
             if flight is None or flight.followers >= self.settings.max_followers:
@@ -261,7 +302,8 @@ class Cache:
         self.stats["bypass"] += 1
 
     def key(self, ex: Exchange, policy: Policy) -> str:
-        fields = {k: v for k, v in ex.json.items() if k not in TRANSPORT_ONLY}
+        skip = RESPONSES_TRANSPORT_ONLY if ex.endpoint == "responses" else TRANSPORT_ONLY
+        fields = {k: v for k, v in ex.json.items() if k not in skip}
         scope = "*" if policy.shared else ex.tenant
         material = orjson.dumps([scope, ex.model, ex.endpoint, fields], option=orjson.OPT_SORT_KEYS)
         return KEY_PREFIX + hashlib.sha256(material).hexdigest()
@@ -285,16 +327,17 @@ class Cache:
                 return None
             _mark(ex, HIT)
             self.stats["followed"] += 1
-            return self._replay(ex, flight.entry)
+            return self._replay(ex, None, flight.entry)
         finally:
             flight.followers -= 1
 
-    def _replay(self, ex: Exchange, entry: Entry) -> Reply:
+    def _replay(self, ex: Exchange, key: str | None, entry: Entry) -> Reply:
         headers = [(b"x-sluice-model", entry.served.encode())]
         if ex.stream:
-            options = ex.json.get("stream_options")
-            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            return Reply(headers=[SSE_TYPE, *headers], body=entry.sse(include_usage), source="cache")
+            body, made = entry.sse(ex.include_usage)
+            if made and key is not None and self.l1.entries.get(key) is entry:
+                self.l1.put(key, entry)  # again, so that L1 counts the replay's bytes too
+            return Reply(headers=[SSE_TYPE, *headers], body=body, source="cache")
         return Reply(headers=[JSON_TYPE, *headers], body=entry.json, source="cache")
 
     async def _l2_get(self, key: str) -> Entry | None:
@@ -304,17 +347,18 @@ class Cache:
             raw = await self.store.execute("GET", key)
         except StoreUnavailable:
             return None
-        if raw is None:
+        if not isinstance(raw, bytes):
             return None
-        try:
-            stored = orjson.loads(raw)
-            entry = _entry(stored["endpoint"], stored["served"], stored["answer"], stored["fresh_until"], self.stale_s)
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+        entry = Entry.parse(raw, self.stale_s)
+        if entry is None:
             return None
         if entry.fresh:
             self.stats["hit_l2"] += 1
-        self.l1[key] = entry
+        self._keep(key, entry)
         return entry
+
+    def _keep(self, key: str, entry: Entry) -> None:
+        self.l1.put(key, entry)
 
     async def on_failure(self, ex: Exchange, error: Exception) -> Reply | None:
         """Every target failed: an entry past its TTL is better than an error."""
@@ -326,7 +370,7 @@ class Cache:
             return None
         log.info("serving a stale answer for %s: %s", ex.model, error)
         _mark(ex, STALE)
-        return self._replay(ex, entry)
+        return self._replay(ex, state.key, entry)
 
     # on_response / on_complete: collect what the leader got, store it if it is whole
 
@@ -345,7 +389,11 @@ class Cache:
     async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
         result = ex.labels.get(LABEL)
         if result is not None and self.results is not None:
-            self.results.labels(self.tenant_label(ex.tenant), ex.model, result).inc()
+            labels = (self.tenant_label(ex.tenant), ex.model, result)
+            child = self._counted.get(labels)
+            if child is None:  # a labels() lookup costs more than the increment: once per label tuple
+                child = self._counted[labels] = self.results.labels(*labels)
+            child.inc()
         state = ex.state.get("cache")
         if not isinstance(state, Lead):
             return
@@ -353,7 +401,7 @@ class Cache:
         flight = state.flight
         whole = outcome.complete and outcome.status == 200 and outcome.source == "upstream"
         if flight is not None and whole:
-            entry = self._assemble(ex, flight.chunks, state.policy.ttl_s)
+            entry = self._assemble(ex, flight.chunks, state.policy.ttl_s, outcome)
         if flight is not None and self.flights.get(state.key) is flight:
             del self.flights[state.key]
         if flight is not None:
@@ -361,46 +409,74 @@ class Cache:
         if entry is not None and state.store:
             self._store(state.key, entry)
 
-    def _assemble(self, ex: Exchange, chunks: list[bytes], ttl_s: float) -> Entry | None:
-        body = b"".join(chunks)
+    def _assemble(self, ex: Exchange, chunks: list[bytes], ttl_s: float, outcome: Outcome) -> Entry | None:
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if len(body) > self.settings.max_entry_bytes * 4:
             return None
-        try:
-            answer = completion.assemble(ex.endpoint, body) if ex.stream else orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(answer, dict) or "error" in answer:
-            return None
-        if ex.endpoint != "embeddings" and not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
+        if ex.stream:
+            data = self._assemble_stream(ex, body, outcome)
+        elif ex.endpoint == "responses":
+            data = body if _completed_response(body) else None
+        else:
+            # A whole body is kept as the upstream sent it: no parse, no re-serialisation. A 200 that is
+            # not a finished answer shows in its bytes (compact or spaced JSON alike).
+            whole = (body[:1] == b"{" or body.lstrip()[:1] == b"{") and b'"error":' not in body
+            unfinished = ex.endpoint != "embeddings" and (
+                b'"finish_reason":null' in body or b'"finish_reason": null' in body
+            )
+            data = body if whole and not unfinished else None
+        if data is None or len(data) > self.settings.max_entry_bytes:
             return None
         served = ex.served.model if ex.served is not None else ex.model
-        entry = _entry(ex.endpoint, served, answer, time.time() + ttl_s, self.stale_s)
-        return entry if entry.size <= self.settings.max_entry_bytes else None
+        fresh_until = time.time() + ttl_s
+        return Entry(ex.endpoint, served, data, fresh_until, fresh_until + self.stale_s)
+
+    @staticmethod
+    def _assemble_stream(ex: Exchange, body: bytes, outcome: Outcome) -> bytes | None:
+        try:
+            answer = completion.assemble(ex.endpoint, body)
+        except orjson.JSONDecodeError:
+            return None
+        if answer is None:
+            return None
+        if ex.endpoint == "responses":
+            if answer.get("status") != "completed":
+                return None
+        elif not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
+            return None
+        if answer.get("usage") is None and outcome.usage is not None and outcome.usage_source == "upstream":
+            answer["usage"] = outcome.usage  # the client did not ask for it, the upstream was asked anyway
+        return orjson.dumps(answer)
 
     def _store(self, key: str, entry: Entry) -> None:
-        if len(self.l1) >= self.settings.l1_entries > 0:
-            self.l1.popitem()
-        if self.settings.l1_entries > 0:
-            self.l1[key] = entry
+        self._keep(key, entry)
         self.stats["stored"] += 1
-        if self.store is not None:
-            record = orjson.dumps(
-                {
-                    "endpoint": entry.endpoint,
-                    "served": entry.served,
-                    "answer": entry.answer,
-                    "fresh_until": entry.fresh_until,
-                }
-            )
-            ttl_s = max(entry.expires - time.time(), 0.001)
-            task = asyncio.get_running_loop().create_task(self._l2_set(key, record, ttl_s))
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+        if self.store is None:
+            return
+        ttl_ms = max(int((entry.expires - time.time()) * 1000), 1)
+        pending = self._pending
+        pending.append(("SET", key, entry.record(), "PX", ttl_ms))
+        if len(pending) > MAX_PENDING_WRITES:
+            del pending[: len(pending) - MAX_PENDING_WRITES]
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write())
 
-    async def _l2_set(self, key: str, record: bytes, ttl_s: float) -> None:
+    async def _write(self) -> None:
+        """The one writer: what was queued by the time it runs goes in one pipelined round trip, and so on."""
         assert self.store is not None
-        with contextlib.suppress(StoreUnavailable):
-            await self.store.execute("SET", key, record, "PX", int(ttl_s * 1000))
+        try:
+            while self._pending:
+                batch = self._pending[:WRITE_BATCH]
+                del self._pending[:WRITE_BATCH]
+                try:
+                    if len(batch) == 1:
+                        await self.store.execute(*batch[0])
+                    else:
+                        await self.store.pipeline(batch)
+                except StoreUnavailable:
+                    self._pending.clear()  # Redis is down: L1 serves; entries come back on later misses
+        finally:
+            self._writer = None
 
 
 def _mark(ex: Exchange, result: bytes) -> None:
@@ -408,15 +484,21 @@ def _mark(ex: Exchange, result: bytes) -> None:
     ex.labels[LABEL] = result.decode()
 
 
-def _entry(endpoint: str, served: str, answer: dict[str, Any], fresh_until: float, stale_s: float) -> Entry:
-    data = orjson.dumps(answer)
-    return Entry(endpoint, served, answer, data, len(data) + 256, fresh_until, fresh_until + stale_s)
+def _completed_response(body: bytes) -> bool:
+    """A Responses object that finished (its own `error` is null, so the bytes alone cannot tell)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(answer, dict) and answer.get("status") == "completed" and not answer.get("error")
 
 
 def _deterministic(ex: Exchange) -> bool:
     if ex.endpoint == "embeddings":
         return True
     body = ex.json
+    if ex.resource or body.get("background"):
+        return False  # a stored response changes (cancel, delete); a background one is polled, not replayed
     temperature = body.get("temperature")
     seed = body.get("seed")
     return temperature == 0 or (isinstance(seed, int) and not isinstance(seed, bool))

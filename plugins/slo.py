@@ -265,7 +265,7 @@ class Slo:
         budget = ex.state.get("hedge")
         if isinstance(budget, HedgeBudget):
             budget.settle(ex.hedged)
-        if not self.models:
+        if not self.models or ex.resource:  # a stored response's retrieval says nothing about the model
             return
         now = time.monotonic()
         for model, _, status in ex.attempts:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 
 import openai
 import pytest
+import redis
 
 from tests.support.gateway import RunningGateway, gateway_thread
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisCluster, RedisServer
 
 QUICKSTART = """
 backends:
@@ -33,6 +35,21 @@ def redis_server() -> Iterator[RedisServer]:
     """A fresh redis-server for one test (tests may kill and restart it)."""
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A real 3-master, 3-replica Redis Cluster shared by one module's tests."""
+    cluster = RedisCluster()
+    try:
+        cluster.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError, redis.RedisError) as exc:
+        cluster.stop()
+        pytest.skip(f"cannot start a Redis Cluster here: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(autouse=True)

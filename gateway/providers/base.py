@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
+    from gateway.health import Health
 
 
 class UpstreamResponse(Protocol):
@@ -37,13 +38,17 @@ class UpstreamResponse(Protocol):
 class Provider(Protocol):
     kind: ClassVar[str]  # the backend type in the config
     system: ClassVar[str]  # gen_ai.provider.name
+    reports_usage: bool  # a stream reports its usage in a last chunk (see streaming.py)
+    health: Health  # up, down or warming; the request path reads `health.down` only
 
     async def start(self) -> None:
-        """Open and warm connections. Failures are logged, not raised: readiness reports them."""
+        """Open and warm connections, bounded by the connect timeout. Failures mark `health` down, never raise."""
         ...
 
     @property
-    def ready(self) -> bool: ...
+    def ready(self) -> bool:
+        """The warm-up has been attempted, whatever its result."""
+        ...
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         """Send the exchange's request to this backend; return once the response head has arrived."""

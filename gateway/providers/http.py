@@ -16,6 +16,7 @@ import orjson
 
 from gateway import route
 from gateway.endpoints import Endpoints
+from gateway.health import Health
 from gateway.pool import PoolLimits
 from gateway.settings import ConfigError
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from gateway.settings import PoolSettings, RemoteBackend
 
 log = logging.getLogger("sluice.upstream")
+
+STREAM_OPTIONS = b'{"stream_options":{"include_usage":true},'
 
 
 def header_lines(headers: dict[str, str]) -> bytes:
@@ -44,9 +47,35 @@ def tls_context(name: str, backend: RemoteBackend) -> ssl.SSLContext:
     return context
 
 
+def request_body(ex: Exchange, model: str | None, usage: bool) -> bytes:
+    """The body to send: as the client sent it, unless the model is renamed or a stream must report usage.
+
+    A stream is always asked for its usage (`stream_options.include_usage`), so that tokens, TPOT and the
+    rate limiter's correction work for clients that did not ask; the relay hides the usage chunk from them.
+    """
+    inject = usage and ex.stream and not ex.include_usage
+    if model is None and not inject:
+        return ex.body
+    if model is None and "stream_options" not in ex.json:
+        # The common case, a plain stream: one field in front of the others, no re-serialisation.
+        body = ex.body if ex.body[:1] == b"{" else ex.body.lstrip()
+        return STREAM_OPTIONS + memoryview(body)[1:]  # one copy, however large the prompt
+    # The parsed JSON is shared with the plugins, so copy it.
+    data = {**ex.json}
+    if model is not None:
+        data["model"] = model
+    if inject:
+        options = data.get("stream_options")
+        data["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return orjson.dumps(data)
+
+
 class HttpProvider:
     kind: ClassVar[str] = "openai"
     system: ClassVar[str] = "openai"
+    # Whether a stream can be asked for its usage (`stream_options.include_usage`); without it the relay
+    # counts events instead.
+    reports_usage = True
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         self.name = name
@@ -66,40 +95,40 @@ class HttpProvider:
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
         urls = [backend.base_url] if backend.base_url is not None else backend.endpoints or []
-        https = backend.discovery.scheme == "https" if backend.discovery is not None else urls[0].startswith("https")
         spec = backend.discovery
         # The backend's address as configured (spans' server.address when no endpoint was chosen).
         self.url = urls[0].rstrip("/") if spec is None else f"{spec.scheme}://{spec.dns}:{spec.port}{self.base_path}"
-        self.ssl = tls_context(name, backend) if https else None
-        self.endpoints = Endpoints(name, backend, self.limits, self.ssl, pool.http2)
+        self.ssl = tls_context(name, backend) if self.url.startswith("https://") else None
+        self.health = Health(name)
+        self.endpoints = Endpoints(name, backend, self.limits, self.ssl, self.health, pool.http2)
         # One fixed endpoint has nothing to choose from: no policy, no routing work per request.
-        alone = backend.discovery is None and len(urls) == 1
+        alone = spec is None and len(urls) == 1
         self.route: route.Policy | None = None if alone else route.build(backend.routing, self.endpoints.fresh_s)
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
     def path(self, ex: Exchange, target: Target) -> bytes:
-        return f"{self.base_path}/{ex.endpoint}".encode()
+        return f"{self.base_path}/{ex.endpoint}{ex.resource}".encode()
 
     def body(self, ex: Exchange, target: Target) -> bytes:
-        if target.upstream_model == ex.model:
-            return ex.body
-        # Renaming the model is the one change we make to a body; the parsed JSON is shared, so copy it.
-        return orjson.dumps({**ex.json, "model": target.upstream_model})
+        model = target.upstream_model if target.upstream_model != ex.model else None
+        return request_body(ex, model, self.reports_usage)
 
     async def start(self) -> None:
         await self.endpoints.start()
 
     @property
     def ready(self) -> bool:
-        return self.endpoints.ready
+        return self.health.state != "warming"
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
-        return await self.endpoints.send(ex, self.route, self.path(ex, target), headers, self.body(ex, target))
+        # A stored response's operations (retrieve, delete, cancel) carry no body of their own.
+        body = b"" if ex.resource else self.body(ex, target)
+        return await self.endpoints.send(ex, self.route, ex.method, self.path(ex, target), headers, body)
 
     async def aclose(self) -> None:
         await self.endpoints.aclose()

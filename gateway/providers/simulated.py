@@ -8,10 +8,15 @@ headers before the first token), each piece when it is due.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, ClassVar
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import orjson
+
+from gateway import response_events
+from gateway.health import Health
 from gateway.pool import ResponseClosed, read_all
-from gateway.simulation import Profile, Reply, simulate
+from gateway.simulation import Profile, Reply, error_reply, json_reply, simulate
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
@@ -89,15 +94,22 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+# Stored responses kept for retrieval (the API's `store`), newest last; the oldest go first.
+STORED_RESPONSES = 1024
+
+
 class SimulatedProvider:
     kind: ClassVar[str] = "simulated"
     system: ClassVar[str] = "openai"
+    reports_usage = True
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, name: str = "simulated") -> None:
         self.profile = profile
+        self.health = Health(name)
+        self.stored: OrderedDict[str, tuple[dict[str, Any], list[Any]]] = OrderedDict()
 
     async def start(self) -> None:
-        return None
+        self.health.mark_up()  # in-process: nothing to connect to
 
     @property
     def ready(self) -> bool:
@@ -105,8 +117,55 @@ class SimulatedProvider:
 
     async def send(self, ex: Exchange, target: Target) -> SimulatedResponse:
         """Script the answer; the head is ready at once, the pieces come from `next_chunk()` when due."""
-        reply = simulate(ex.endpoint, ex.json, target.upstream_model, self.profile)
+        if ex.resource:
+            return SimulatedResponse(self._stored(ex.method, ex.resource), ex.request_id)
+        # Streams report usage as an upstream asked for it does: the relay hides it if the client did not ask.
+        reply = simulate(ex.endpoint, ex.json, target.upstream_model, self.profile, usage=True)
+        if ex.endpoint == "responses" and reply.status == 200 and ex.json.get("store") is not False:
+            self._remember(reply, ex.json.get("input"))
         return SimulatedResponse(reply, ex.request_id)
+
+    def _remember(self, reply: Reply, given: Any) -> None:
+        response = response_events.assemble(reply.pieces[-1]) if reply.stream else orjson.loads(reply.pieces[0])
+        if response is None:
+            return
+        if isinstance(given, str):
+            given = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+        items = [
+            {"id": f"msg_{response['id'][5:]}{i}", **item} if isinstance(item, dict) else item
+            for i, item in enumerate(given or [])
+        ]
+        self.stored[response["id"]] = (response, items)
+        if len(self.stored) > STORED_RESPONSES:
+            self.stored.popitem(last=False)
+
+    def _stored(self, method: bytes, resource: str) -> Reply:
+        """GET/DELETE /responses/{id}, GET .../input_items, POST .../cancel on what this backend stored."""
+        path, _, query = resource.partition("?")
+        ident, _, operation = path.strip("/").partition("/")
+        found = self.stored.get(ident)
+        if found is None:
+            return error_reply(404, f"Response with id '{ident}' not found.")
+        response, items = found
+        if operation == "input_items":
+            first, last = (items[0].get("id"), items[-1].get("id")) if items else (None, None)
+            page = {"object": "list", "data": items, "first_id": first, "last_id": last, "has_more": False}
+            return json_reply(200, page)
+        if operation == "cancel":
+            return error_reply(400, "Only responses created with background mode can be cancelled.")
+        if method == b"DELETE":
+            del self.stored[ident]
+            return json_reply(200, {"id": ident, "object": "response", "deleted": True})
+        if "stream=true" in query:
+            after = -1
+            for pair in query.split("&"):
+                name, _, value = pair.partition("=")
+                if name == "starting_after" and value.lstrip("-").isdigit():
+                    after = int(value)
+            events = [e for group in response_events.stream_events(response) for e in group]
+            body = b"".join(response_events.sse(e) for e in events if e["sequence_number"] > after)
+            return Reply(200, b"text/event-stream", [body], 0.0, 0.0)
+        return json_reply(200, response)
 
     async def aclose(self) -> None:
         return None

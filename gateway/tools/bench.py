@@ -9,11 +9,11 @@ rates, overhead = through - direct within a round, median over rounds; max throu
 gateway CPU read from /proc.
 
 Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare gateway, the default),
-`tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss) and `tracing` (OTLP
-export at two sample ratios); `routing` (the route policies over simulated replicas, bench_routing; not in
-`all`). This module parses the command line and runs them in order; the load is in
-bench_load, the processes in bench_fleet and bench_rig, each scenario in its own module, the page in
-bench_report.
+`tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss), `tracing` (OTLP
+export at two sample ratios), `full` (every stage on at once, every request a cache miss) and `routing` (the
+route policies over simulated replicas, bench_routing; not in `all`). This module parses the command line
+and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
+in its own module, the page in bench_report.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.tools import bench_cache, bench_core, bench_tenants, bench_tracing
+from gateway.tools import bench_cache, bench_core, bench_full, bench_tenants, bench_tracing
 from gateway.tools.bench_fleet import BenchError, machine, placement
 from gateway.tools.bench_report import Report, command_line, judge
 from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
@@ -38,10 +38,10 @@ from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
 __all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", "add_arguments", "main", "run"]
 
 T = TypeVar("T")
-SCENARIOS = ("core", "tenants", "cache", "tracing")
+SCENARIOS = ("core", "tenants", "cache", "tracing", "full")
 # Run by its own module with its own replicas and gateway (gateway/tools/bench_routing.py); not part of `all`.
 ROUTING = "routing"
-NEEDS_REDIS = frozenset({"tenants", "cache"})
+NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
 QUICK = replace(
@@ -58,6 +58,7 @@ SMOKE = replace(
     max_seconds=0.4,
     comparisons=1,
     pin=False,
+    fill_prompts=300,
     preset="smoke",
 )
 
@@ -69,7 +70,7 @@ def run(options: BenchOptions) -> Report:
     names = options.scenarios
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     about = machine()
-    sinks = bench_tracing.SINKS if "tracing" in names else ()
+    sinks = (*(bench_tracing.SINKS if "tracing" in names else ()), *((bench_full.SINK,) if "full" in names else ()))
     affinity = os.sched_getaffinity(0)
     rig = Rig.launch(options, where, redis=bool(NEEDS_REDIS & set(names)), sinks=sinks)
     try:
@@ -82,7 +83,7 @@ def run(options: BenchOptions) -> Report:
         gc.unfreeze()
         os.sched_setaffinity(0, affinity)
         rig.stop()
-    core, tenants, cache, tracing = parts
+    core, tenants, cache, tracing, full = parts
     return Report(
         options=options,
         date=date,
@@ -93,13 +94,18 @@ def run(options: BenchOptions) -> Report:
         tenants=tenants,
         cache=cache,
         tracing=tracing,
+        full=full,
         peak_rss_mb=rss,
-        checks=judge(core, tenants, cache),
+        checks=judge(core, tenants, cache, full),
     )
 
 
 Parts = tuple[
-    bench_core.Core | None, bench_tenants.Tenants | None, bench_cache.Cache | None, bench_tracing.Tracing | None
+    bench_core.Core | None,
+    bench_tenants.Tenants | None,
+    bench_cache.Cache | None,
+    bench_tracing.Tracing | None,
+    bench_full.Full | None,
 ]
 
 
@@ -113,10 +119,11 @@ async def measure(rig: Rig) -> tuple[Parts, float]:
         tenants = await bench_tenants.measure(rig) if "tenants" in names else None
         cache = await bench_cache.measure(rig) if "cache" in names else None
         tracing = await bench_tracing.measure(rig) if "tracing" in names else None
+        full = await bench_full.measure(rig) if "full" in names else None
         rss = rig.gateways[bench_core.NAME].child.peak_rss_mb()
     finally:
         await rig.aclose()
-    return (core, tenants, cache, tracing), rss
+    return (core, tenants, cache, tracing, full), rss
 
 
 def run_loop(main: Coroutine[Any, Any, T]) -> T:

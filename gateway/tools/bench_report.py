@@ -14,11 +14,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.tools import bench_cache, bench_core, bench_tenants, bench_tracing
+from gateway.tools import bench_cache, bench_core, bench_full, bench_tenants, bench_tracing
 from gateway.tools.bench_cache import Cache
 from gateway.tools.bench_core import Core
 from gateway.tools.bench_figures import Check
 from gateway.tools.bench_fleet import BenchError, bench_file
+from gateway.tools.bench_full import Full
 from gateway.tools.bench_rig import BenchOptions, Phase
 from gateway.tools.bench_tenants import Tenants
 from gateway.tools.bench_tracing import Tracing
@@ -64,22 +65,27 @@ class Report:
     tenants: Tenants | None
     cache: Cache | None
     tracing: Tracing | None
+    full: Full | None
     peak_rss_mb: float  # the core gateway's, at the end
     checks: list[Check]
 
     @property
     def errors(self) -> int:
-        return sum(part.errors for part in (self.core, self.tenants, self.cache, self.tracing) if part is not None)
+        return sum(part.errors for part in self.parts if part is not None)
 
     @property
     def phases(self) -> list[Phase]:
-        return [part.phase for part in (self.core, self.tenants, self.cache, self.tracing) if part is not None]
+        return [part.phase for part in self.parts if part is not None]
+
+    @property
+    def parts(self) -> tuple[Core | Tenants | Cache | Tracing | Full | None, ...]:
+        return (self.core, self.tenants, self.cache, self.tracing, self.full)
 
     def markdown(self) -> str:
         return render(self)
 
 
-def judge(core: Core | None, tenants: Tenants | None, cache: Cache | None) -> list[Check]:
+def judge(core: Core | None, tenants: Tenants | None, cache: Cache | None, full: Full | None = None) -> list[Check]:
     """Every target of the scenarios that ran (tracing has none: its figures are for comparison)."""
     found: list[Check] = []
     if core is not None:
@@ -88,6 +94,8 @@ def judge(core: Core | None, tenants: Tenants | None, cache: Cache | None) -> li
         found += bench_tenants.checks(tenants)
     if cache is not None:
         found += bench_cache.checks(cache)
+    if full is not None:
+        found += bench_full.checks(full)
     return found
 
 
@@ -144,15 +152,18 @@ def sections(report: Report) -> list[str]:
         found += [*bench_cache.render(report.cache), ""]
     if report.tracing is not None:
         found += [*bench_tracing.render(report.tracing), ""]
+    if report.full is not None:
+        found += [*bench_full.render(report.full), ""]
     return found
 
 
 def peers() -> list[str]:
-    """The peers' figures from bench/peers.md, when the source tree is at hand."""
-    with contextlib.suppress(BenchError, OSError):
-        text = bench_file("peers.md").read_text().strip()
-        return [text, ""]
-    return []
+    """Figures measured apart from the run (bench/peers.md, bench/redis_client.md), when the source tree is at hand."""
+    found: list[str] = []
+    for name in ("peers.md", "redis_client.md"):
+        with contextlib.suppress(BenchError, OSError):
+            found += [bench_file(name).read_text().strip(), ""]
+    return found
 
 
 def notes(report: Report) -> list[str]:
@@ -165,6 +176,8 @@ def notes(report: Report) -> list[str]:
         found += bench_cache.notes(report.cache)
     if report.tracing is not None:
         found += bench_tracing.notes(report.tracing)
+    if report.full is not None:
+        found += bench_full.notes(report.full)
     shares = ", ".join(f"{p.name} {p.others_percent:.1f} %" for p in report.phases)
     found.append(
         f"- Other processes' share of the machine's CPU time during each scenario: {shares}"

@@ -74,6 +74,7 @@ class BenchOptions:
     plain_tokens: int = 5
     pin: bool = True
     comparisons: int = 3  # per round: cells where gateways are compared with each other (tenants, cache)
+    fill_prompts: int = 100_000  # full: unique prompts cached before its peak RSS is read
     scenarios: tuple[str, ...] = ("core",)
     config: str | None = None  # the core gateway's config; default bench/scenarios/overhead.yaml
     write: str | None = None

@@ -4,11 +4,14 @@ It is the "direct" baseline of the benchmarks and the upstream of the integratio
 is kept as cheap as the gateway's own pool: a raw asyncio protocol, httptools parsing, keep-alive, and timers
 instead of tasks (a streamed answer is one `call_at` chain writing one HTTP chunk per SSE event).
 
-Routes: `POST /v1/{chat/completions,completions,embeddings}` (also under `/openai/v1/`), the Azure shape
+Routes: `POST /v1/{chat/completions,completions,embeddings,responses}` (also under `/openai/v1/`), the Azure shape
 `POST /openai/deployments/{deployment}/...` (the deployment is the model reported), `GET /v1/models`,
 `GET /health` and `GET /healthz`. The headers `x-sim-ttft-ms`, `x-sim-tpot-ms` and `x-sim-tokens` override
 the profile for one request; every response carries `x-sim-requests`, the number of model calls (chat,
 completions, embeddings) this server has received so far.
+
+Replicas with batching, a queue and a prefix cache, and stand-ins for vLLM, TGI, llama.cpp and Ollama
+(`sluice sim --replicas/--like`), are `gateway.tools.sim_fleet`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ import orjson
 
 from gateway.simulation import Profile, Reply, error_reply, json_reply, simulate
 
-_ENDPOINTS = {b"chat/completions": "chat/completions", b"completions": "completions", b"embeddings": "embeddings"}
+_ENDPOINTS = {
+    b"chat/completions": "chat/completions",
+    b"completions": "completions",
+    b"embeddings": "embeddings",
+    b"responses": "responses",
+}
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed"}
 _MODELS = {"object": "list", "data": [{"id": "sim", "object": "model", "created": 0, "owned_by": "sluice"}]}
 _OVERRIDES = (b"x-sim-ttft-ms", b"x-sim-tpot-ms", b"x-sim-tokens")

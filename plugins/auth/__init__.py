@@ -2,7 +2,8 @@
 
 Keys are only ever stored as `sha256:<hex>`: in the config (`tenants.NAME.keys`) and/or in Redis (the hash
 `sluice:keys`, field = hex digest, value = {"tenant": ..., "models": [...]}) so that operators add and
-revoke keys without a restart (`sluice keys add|revoke`). Lookups go: config keys, then the TTL cache
+revoke keys without a restart (`sluice keys add|revoke`). Lookups go: config keys (a key presented before is
+found by its raw bytes, without hashing it again), then the TTL cache
 (which also holds negative entries, so a flood of bad keys costs no Redis trips), then Redis, one lookup
 per digest at a time. A revocation is published on `sluice:keys`; every process drops its cached entry at
 once, and the TTL bounds staleness if that message is lost. A key is never logged: only the first 8 hex
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -103,6 +105,9 @@ class Auth:
             for key in spec.keys:
                 self.configured[key.removeprefix("sha256:").lower()] = Principal(tenant, models)
         self.cache: TTLCache[str, Principal | None] = TTLCache(CACHE_SIZE, self.ttl)
+        # Config keys as presented -> (principal, digest prefix). Only a key whose digest is in the config gets
+        # in, so it holds at most one entry per configured key whatever clients send.
+        self.presented: dict[bytes, tuple[Principal, str]] = {}
         self.pending: dict[str, asyncio.Future[Principal | None]] = {}
         self.store: Store | None = None
         self.lookups = 0  # Redis lookups made, for metrics and tests
@@ -111,7 +116,7 @@ class Auth:
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
         if self.store is not None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen(self.store.url))
+            self._listener = asyncio.get_running_loop().create_task(self._listen(self.store.node_urls))
 
     async def shutdown(self) -> None:
         if self._listener is not None:
@@ -127,18 +132,26 @@ class Auth:
                     "You didn't provide an API key: send it as 'Authorization: Bearer KEY' or 'api-key: KEY'."
                 )
             return
-        hexdigest = digest(key)
-        principal = self.configured.get(hexdigest)
-        if principal is None:
-            principal = await self.resolve(hexdigest)
-        if principal is None:
-            if self.required:
-                raise AuthenticationError(f"Incorrect API key provided (sha256:{hexdigest[:8]}...).")
-            return
+        known = self.presented.get(key)
+        if known is not None:
+            principal, short = known
+        else:
+            hexdigest = digest(key)
+            short = hexdigest[:8]
+            found = self.configured.get(hexdigest)
+            if found is not None:
+                self.presented[key] = (found, short)
+            else:
+                found = await self.resolve(hexdigest)
+            if found is None:
+                if self.required:
+                    raise AuthenticationError(f"Incorrect API key provided (sha256:{short}...).")
+                return
+            principal = found
         if principal.models is not None and ex.model not in principal.models:
             raise PermissionDeniedError(f"tenant {principal.tenant!r} may not use model {ex.model!r}", param="model")
         ex.tenant = principal.tenant
-        ex.state["auth"] = hexdigest[:8]
+        ex.state["auth"] = short
 
     async def resolve(self, hexdigest: str) -> Principal | None:
         """A key not in the config: the cache, else one Redis lookup shared by everyone asking meanwhile."""
@@ -187,9 +200,12 @@ class Auth:
             log.warning("key sha256:%s... has a malformed record in redis; refusing it", hexdigest[:8])
             return None
 
-    async def _listen(self, url: str) -> None:
-        """Drop cached entries named on the channel; after any gap in the subscription, drop them all."""
-        while True:
+    async def _listen(self, urls: list[str]) -> None:
+        """Drop cached entries named on the channel; after any gap in the subscription, drop them all.
+
+        On a cluster, one node's subscription hears every PUBLISH; after a failure the next seed is tried.
+        """
+        for url in itertools.cycle(urls):
             client = aioredis.Redis.from_url(url, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:

@@ -13,8 +13,10 @@ import sys
 
 import orjson
 import redis
+import redis.cluster
 
 from gateway.config import load
+from gateway.resp import node_urls
 from gateway.settings import ConfigError
 from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
 
@@ -36,9 +38,11 @@ def hex_digest(key: str | None, hashed: str | None) -> str:
     sys.exit("sluice keys: give --key KEY or --hash sha256:<64 hex digits>")
 
 
-def client(url: str) -> redis.Redis:
+def client(url: str) -> redis.Redis | redis.cluster.RedisCluster:
     if not url:
         sys.exit("sluice keys: no Redis configured: pass --redis URL or a config with redis.url")
+    if url.partition("://")[0].lower().endswith("+cluster"):  # redis-py finds the others from one seed
+        return redis.cluster.RedisCluster.from_url(node_urls(url)[0], socket_timeout=2, socket_connect_timeout=2)
     return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
 
 
@@ -111,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
             add(url, args.tenant, hexdigest, models)
         else:
             revoke(url, hexdigest)
-    except (redis.RedisError, OSError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         print(f"sluice keys: Redis at {url} is unavailable: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -120,9 +120,24 @@ def test_tracing_exported_spans_at_each_ratio(report: bench.Report) -> None:
     assert 0 < tenth.spans / tenth.served < full.spans / full.served
 
 
+def test_full_ran_every_stage_and_every_request_missed(report: bench.Report) -> None:
+    f = report.full
+    assert f is not None
+    assert set(f.ttft) == {(name, rate) for name in ("core", "full") for rate in (50.0, 200.0)}
+    assert all(complete_row(row) for row in f.ttft.values())
+    assert set(f.maxima) == {"core", "full"}
+    assert all(positive(m.through_rps) and positive(m.cpu_ms_per_request) for m in f.maxima.values())
+    assert positive(f.share) and math.isfinite(f.p99_over_bare)
+    # Unique prompts: every answer of the full gateway was a cache miss, in the cells and in the fill.
+    assert f.misses == f.responses > 0
+    assert f.stages == dict.fromkeys(("auth", "rate_limit", "cache", "slo"), f.responses)
+    assert f.fill_misses == f.filled == bench.SMOKE.fill_prompts
+    assert positive(f.rss_mb) and f.spans > 0
+
+
 def test_targets_are_judged(report: bench.Report) -> None:
     scenarios = [check.scenario for check in report.checks]
-    assert scenarios == ["core"] * 5 + ["tenants"] + ["cache"] * 4
+    assert scenarios == ["core"] * 5 + ["tenants"] + ["cache"] * 4 + ["full"] * 7
     figures = [check.figure for check in report.checks]
     assert any("@50 req/s" in f for f in figures) and any("@200 req/s" in f for f in figures)
     assert all(math.isfinite(check.value) for check in report.checks)
@@ -146,6 +161,7 @@ def test_markdown_has_every_section(report: bench.Report, tmp_path: Path, monkey
         "## Cache: hits end to end",
         "## Cache: what it adds to a miss",
         "## Tracing: OTLP export on vs off",
+        "## Full: every stage on",
         "## Peers, for comparison: measured earlier, not in this run",
         "x-sluice-overhead-ms",
     ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,15 @@ def test_serve_with_two_workers(tmp_path: Path) -> None:
         for _ in range(10):
             answer = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
             assert answer.choices[0].finish_reason == "stop"
+
+
+def test_a_busy_port_is_one_line_not_a_traceback() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = sluice("sim", "--port", str(port))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0]

@@ -139,3 +139,39 @@ def test_rejected_requests_are_counted(quickstart: RunningGateway) -> None:
     before = rejected()
     httpx.post(f"{quickstart.base_url}/chat/completions", content=b"{not json")
     assert rejected() == before + 1
+
+
+def nested(depth: int) -> bytes:
+    """A chat request whose first message's content nests `depth` levels deep, counting the body itself."""
+    inner = "[" * (depth - 3) + '"x"' + "]" * (depth - 3)
+    return b'{"model":"chat-small","messages":[{"role":"user","content":"hi","extra":' + inner.encode() + b"}]}"
+
+
+@pytest.mark.parametrize("depth", [300, 1000, 2000])
+def test_deep_nesting_is_400_not_500(quickstart: RunningGateway, depth: int) -> None:
+    response = httpx.post(f"{quickstart.base_url}/chat/completions", content=nested(depth))
+    assert_error(response, 400)
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("depth", [100, 128])
+def test_nesting_up_to_the_limit_is_accepted(quickstart: RunningGateway, depth: int) -> None:
+    response = httpx.post(f"{quickstart.base_url}/chat/completions", content=nested(depth))
+    assert response.status_code == 200, response.text
+
+
+def test_every_error_has_a_request_id(quickstart: RunningGateway) -> None:
+    wrong_method = httpx.get(f"{quickstart.base_url}/chat/completions")
+    assert len(wrong_method.headers["x-request-id"]) == 32
+    echoed = httpx.get(f"{quickstart.base_url}/chat/completions", headers={"x-request-id": "mine"})
+    assert echoed.headers["x-request-id"] == "mine"
+
+
+def test_azure_v1_form_and_an_openai_client_on_it(quickstart: RunningGateway) -> None:
+    plain = openai.OpenAI(base_url=f"{quickstart.url}/openai/v1", api_key="unused", max_retries=0)
+    assert plain.chat.completions.create(model="chat-small", messages=[{"role": "user", "content": "hi"}]).choices
+    assert "chat-small" in [m.id for m in plain.models.list()]
+    azure = openai.AzureOpenAI(
+        base_url=f"{quickstart.url}/openai/v1", api_version="preview", api_key="unused", max_retries=0
+    )
+    assert azure.chat.completions.create(model="chat-small", messages=[{"role": "user", "content": "hi"}]).choices

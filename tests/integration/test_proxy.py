@@ -136,7 +136,9 @@ def test_streaming_is_unbuffered(upstream: ScriptedUpstream) -> None:
             assert response.headers["cache-control"] == "no-cache"
             assert response.headers["x-accel-buffering"] == "no"
     assert len(through) == 10
-    assert 0.095 <= through[0] < direct[0] + 0.02  # the first token as the upstream sent it, within a few ms
+    # The first token as the upstream sent it: a buffering proxy would hold it until the end (~0.55 s); the
+    # margin is for a loaded machine, the overhead itself is a fraction of a millisecond (sluice bench).
+    assert 0.095 <= through[0] < direct[0] + 0.08
     assert through[0] < 0.3 < through[-1]  # well before the upstream's last token (~0.55 s)
     gaps = sorted(b - a for a, b in itertools.pairwise(through))
     assert gaps[len(gaps) // 2] > 0.035  # tokens arrive spaced as sent (50 ms), not in one burst

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
-import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -220,15 +219,17 @@ async def test_openai_v1_prefix(port: int) -> None:
 
 
 async def test_stream_timing_follows_the_profile(serve: Serve) -> None:
-    port = await serve(Profile(ttft_ms=100.0, tpot_ms=20.0, tokens=5))
+    # Tokens 50 ms apart, and bounds with room: a loaded machine may deliver two chunks in one read, or late.
+    port = await serve(Profile(ttft_ms=100.0, tpot_ms=50.0, tokens=6))
     async with client(port) as sdk:
         started = time.perf_counter()
         stream = await sdk.chat.completions.create(model="m", messages=MESSAGES, stream=True)
         arrivals = [time.perf_counter() - started async for chunk in stream if chunk.choices[0].delta.content]
-    assert len(arrivals) == 5
-    assert 0.09 <= arrivals[0] < 1.0
-    assert arrivals[-1] - arrivals[0] >= 4 * 0.020 * 0.75  # spread out, not sent at once
-    assert statistics.median(b - a for a, b in itertools.pairwise(arrivals)) >= 0.010
+    assert len(arrivals) == 6
+    assert 0.09 <= arrivals[0] < 2.0
+    assert arrivals[-1] - arrivals[0] >= 5 * 0.050 * 0.6  # spread out over the stream, not sent at once
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert sum(gap >= 0.02 for gap in gaps) >= 2, gaps  # paced: not one burst at the end
 
 
 async def test_non_stream_waits_for_the_whole_generation(serve: Serve) -> None:
@@ -358,7 +359,7 @@ async def test_client_leaving_mid_stream_stops_the_stream(serve: Serve) -> None:
         assert b"data: " in await asyncio.wait_for(reader.read(65536), 2.0)
         writer.close()
         await writer.wait_closed()
-        await asyncio.sleep(0.4)  # past the end of the stream had it kept going
+        await asyncio.sleep(0.4)  # not a wait for a condition: past the end of the stream, had it kept going
         [message], _ = await exchange(port, request("GET", "/health"), 1)
         assert message.status == 200
     finally:

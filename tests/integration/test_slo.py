@@ -153,13 +153,24 @@ def test_hedging_races_the_fallback_and_closes_the_loser(large: ScriptedUpstream
         assert hedged == 2  # half of the tenant's 4 requests: the cap holds
 
 
+def test_a_primary_faster_than_the_hedge_delay_streams_to_the_end(
+    large: ScriptedUpstream, small: ScriptedUpstream
+) -> None:
+    large.default = Ok(ttft_ms=20, tpot_ms=20, tokens=8)
+    with gateway_thread(config(large, small, ", hedge_after_ms: 300, max_hedge_ratio: 1.0")) as gw:
+        _, served, reason, text = stream(gw)
+        assert (served, reason) == ("chat-large", None)
+        assert "error" not in text and text.count("content") >= 8 and len(small.requests) == 0
+
+
 def test_every_target_down_serves_a_stale_answer(large: ScriptedUpstream, small: ScriptedUpstream) -> None:
     cache = "cache: {ttl_s: 0.5, stale_s: 60}"
     text = config(large, small, top=cache).replace("plugins: [slo]", "plugins: [cache, slo]")
     with gateway_thread(text) as gw:
         client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
         fresh = client.chat.completions.create(model="chat-large", messages=MESSAGES, temperature=0)
-        time.sleep(0.7)  # past its TTL
+        gw.settle()  # stored
+        time.sleep(0.7)  # not a wait for a condition: the entry's TTL (0.5 s) must pass
         large.default = small.default = Status(503)
         raw = client.chat.completions.with_raw_response.create(model="chat-large", messages=MESSAGES, temperature=0)
         assert raw.headers["x-sluice-cache"] == "stale"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ import trustme
 from gateway.simulation import Profile
 from gateway.tools.sim import start_server
 from tests.support.gateway import free_port, gateway_thread
+from tests.support.wait import wait_until
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -39,8 +41,10 @@ async def test_https_upstream_with_a_private_ca(tmp_path: Path) -> None:
 
         def through(tls: str, stream: bool, ready: bool = True) -> httpx.Response:
             with gateway_thread(config(port, tls), ready=ready) as gw:
-                if not ready:
-                    assert httpx.get(f"{gw.url}/readyz").status_code == 503  # it could not warm a connection
+                if not ready:  # it could not warm a connection: ready all the same, and the backend reported down
+                    readiness = httpx.get(f"{gw.url}/readyz")
+                    assert readiness.status_code == 200
+                    assert readiness.json()["backends"]["secure"]["state"] == "down"
                 body = {"model": "m", "messages": MESSAGES, "stream": stream}
                 return httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=10)
 
@@ -77,6 +81,11 @@ async def h2_upstream(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def test_http2_backend(tmp_path: Path) -> None:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
@@ -97,6 +106,7 @@ def test_http2_backend(tmp_path: Path) -> None:
     )
     server.start()
     try:
+        wait_until(lambda: listening(port), timeout=30, what="the HTTP/2 upstream listening")
         text = f"""
 backends:
   h2: {{type: openai, base_url: "https://localhost:{port}/v1", tls: {{ca_file: "{tmp_path / "ca.pem"}"}}}}

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from gateway.app import SERVER_OPTIONS, create_app
+from gateway.app import SERVER_OPTIONS, Gateway, create_app
 from gateway.config import parse
+from tests.support.wait import wait_until
 
 
 def free_port() -> int:
@@ -27,15 +28,52 @@ def free_port() -> int:
 
 
 class RunningGateway:
-    def __init__(self, port: int) -> None:
+    def __init__(
+        self,
+        port: int,
+        proc: subprocess.Popen[bytes] | None = None,
+        log: Path | None = None,
+        app: Gateway | None = None,
+    ) -> None:
         self.port = port
+        self.app = app  # the app, when it runs in this process
+        self.process = proc  # for gateway_process: the `sluice serve` process
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = f"{self.url}/v1"
+        self.proc = proc  # `sluice serve` when run as a process
+        self.log = log  # where that process's stderr goes
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log is not None else ""
+
+    def store_available(self) -> bool:
+        """The gateway's Redis client would try Redis again: its circuit breaker's cool-down is over."""
+        runtime = self.app.runtime if self.app is not None else None
+        return runtime is not None and runtime.store is not None and runtime.store.available
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until no request is in flight and every completion task (cache store, SLO sample) is done."""
+        assert self.app is not None, "only for a gateway in this process"
+        app = self.app
+
+        def settled() -> bool:
+            return app.runtime is not None and app.runtime.pipeline.busy == 0
+
+        wait_until(settled, timeout, interval=0.005, what="completion tasks done")
 
 
-def wait_ready(url: str, timeout: float = 15.0, path: str = "/readyz") -> None:
+# Start-up imports the SDKs, warms pools and starts plugins: on a loaded 2-core machine that can take many
+# seconds, so readiness is waited for generously (a gateway that never comes up still fails the test).
+READY_TIMEOUT_S = 60.0
+
+
+def wait_ready(
+    url: str, timeout: float = READY_TIMEOUT_S, path: str = "/readyz", proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise TimeoutError(f"gateway at {url} exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
                 return
@@ -75,7 +113,7 @@ def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    running = RunningGateway(port)
+    running = RunningGateway(port, app=app)
     try:
         wait_ready(running.url, path="/readyz" if ready else "/healthz")
         yield running
@@ -86,10 +124,15 @@ def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
 
 @contextmanager
 def gateway_process(config: str, tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
-    """`sluice serve` as its own process, as a user runs it."""
+    """`sluice serve` as its own process, as a user runs it; its stderr goes to `running.log`.
+
+    `args` come after the defaults, so `--log-level debug` there overrides the quiet default.
+    """
     port = free_port()
     path = tmp / f"gateway-{port}.yaml"
     path.write_text(config)
+    log = tmp / f"gateway-{port}.log"
+    stderr = log.open("wb")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -105,15 +148,20 @@ def gateway_process(config: str, tmp: Path, *args: str, env: dict[str, str] | No
             *args,
         ],
         env={**os.environ, **(env or {})},
+        stderr=stderr,
     )
-    running = RunningGateway(port)
+    running = RunningGateway(port, proc, log)
     try:
-        wait_ready(running.url)
+        wait_ready(running.url, proc=proc)
         yield running
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; its log:\n{running.log_text()}") from None
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(40)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        stderr.close()

@@ -8,6 +8,11 @@ Each request to a model endpoint (`.../chat/completions`, `.../completions`, `..
 `GET .../models` gets a model list and consumes nothing; so does `GET /metrics` when `up.metrics` holds a
 Prometheus text (a vLLM stand-in's load); other paths get a 404. Every request is recorded.
 
+`POST .../responses` is the Responses API: the response object, or its event stream (`event:` and `data:`
+lines, a `sequence_number` on each), the same bytes for the same request body. Responses it made are kept
+(`up.stored`) for `GET/DELETE .../responses/{id}`, `GET .../input_items` and `POST .../cancel`, which
+consume nothing from the script.
+
     with ScriptedUpstream() as up:
         up.script(Status(503), Ok(ttft_ms=50))
         ...
@@ -20,6 +25,7 @@ own loop: `await asyncio.to_thread(up.wait_disconnect)`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json as jsonlib
 import re
 import socket
@@ -140,6 +146,7 @@ class ScriptedUpstream:
         self.requests: list[Recorded] = []
         self.connections_opened = 0
         self.disconnects: list[float] = []  # time.monotonic() of each client close during an answer
+        self.stored: dict[str, dict[str, Any]] = {}  # Responses API objects by id
         self.port = 0
         self._wanted_port = port  # 0: a free one
         self._script: deque[Behaviour] = deque()
@@ -335,7 +342,10 @@ class _Connection(asyncio.Protocol):
         """Answer one request; whether the connection stays open."""
         kind = _kind(request.path)
         if kind is None:
-            if request.path.endswith("/models"):
+            if "/responses/" in request.path:
+                status, answer = _stored(self.up.stored, request)
+                await self._write(_json_answer(status, answer))
+            elif request.path.endswith("/models"):
                 models = {"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "tests"}]}
                 await self._write(_json_answer(200, models))
             elif request.path == "/metrics" and self.up.metrics is not None:
@@ -350,6 +360,8 @@ class _Connection(asyncio.Protocol):
 
         def first(count: int) -> list[bytes]:
             """The first events of a normal stream, for the behaviours that break one off."""
+            if kind == "responses":
+                return [event for _, event in _response_events(request, Ok(tokens=count + 1), {})[:count]]
             events = _events(request, "completions" if kind == "completions" else "chat", Ok(tokens=count + 1))
             return [event for _, event in events[:count]]
 
@@ -386,6 +398,9 @@ class _Connection(asyncio.Protocol):
 
     async def _ok(self, request: Recorded, kind: str, ok: Ok) -> None:
         await _sleep(ok.headers_ms)
+        if kind == "responses":
+            await self._responses(request, ok)
+            return
         if kind == "embeddings" or _body(request).get("stream") is not True:
             await _sleep(ok.ttft_ms + ok.tpot_ms * max(len(_pieces(ok)) - 1, 0))
             await self._write(_json_answer(200, _whole(request, kind, ok)))
@@ -397,6 +412,17 @@ class _Connection(asyncio.Protocol):
             await self._write(_chunk(b"".join(event for _, event in events)) + b"0\r\n\r\n")
             return
         for delay, event in events:
+            await _sleep(delay)
+            await self._write(_chunk(event))
+        await self._write(b"0\r\n\r\n")
+
+    async def _responses(self, request: Recorded, ok: Ok) -> None:
+        if _body(request).get("stream") is not True:
+            await _sleep(ok.ttft_ms + ok.tpot_ms * max(len(_pieces(ok)) - 1, 0))
+            await self._write(_json_answer(200, _response_object(request, ok, self.up.stored)))
+            return
+        await self._write(_STREAM_HEAD)
+        for delay, event in _response_events(request, ok, self.up.stored):
             await _sleep(delay)
             await self._write(_chunk(event))
         await self._write(b"0\r\n\r\n")
@@ -422,7 +448,13 @@ async def _sleep(ms: float) -> None:
 
 
 def _kind(path: str) -> str | None:
-    for suffix, kind in (("/chat/completions", "chat"), ("/completions", "completions"), ("/embeddings", "embeddings")):
+    kinds = (
+        ("/chat/completions", "chat"),
+        ("/completions", "completions"),
+        ("/embeddings", "embeddings"),
+        ("/responses", "responses"),
+    )
+    for suffix, kind in kinds:
         if path.endswith(suffix):
             return kind
     return None
@@ -532,3 +564,106 @@ def _events(request: Recorded, kind: str, ok: Ok) -> list[tuple[float, bytes]]:
     if ok.done:
         events.append((0, b"data: [DONE]\n\n"))
     return events
+
+
+# The Responses API
+
+
+def _response_object(request: Recorded, ok: Ok, stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The whole response to `request` (kept in `stored` unless the body says `store: false`)."""
+    body = _body(request)
+    digest = hashlib.sha256(request.body).hexdigest()[:24]
+    text = "".join(_pieces(ok))
+    given = body.get("input")
+    prompt = max(1, _words(given if isinstance(given, (str, list)) else []))
+    completion = len(_pieces(ok))
+    answer = {
+        "id": f"resp_{digest}",
+        "object": "response",
+        "created_at": 1700000000,
+        "status": "completed",
+        "background": bool(body.get("background")),
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "model": body.get("model") or "scripted",
+        "output": [
+            {
+                "id": f"msg_{digest}",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "annotations": [], "text": text}],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "previous_response_id": body.get("previous_response_id"),
+        "temperature": body.get("temperature", 1.0),
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": 1.0,
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+    }
+    if body.get("store") is not False:
+        stored[answer["id"]] = {"response": answer, "input": given}
+    return answer
+
+
+def _response_events(request: Recorded, ok: Ok, stored: dict[str, dict[str, Any]]) -> list[tuple[float, bytes]]:
+    """A Responses stream's events, each with the delay in ms before it is sent."""
+    answer = _response_object(request, ok, stored)
+    item = answer["output"][0]
+    seq = iter(range(10_000))
+
+    def event(kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": next(seq), **fields}
+        return f"event: {kind}\n".encode() + _sse(payload)
+
+    opening = {**answer, "status": "in_progress", "output": [], "usage": None}
+    at = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+    empty = {"type": "output_text", "annotations": [], "text": ""}
+    added = {**item, "status": "in_progress", "content": []}
+    events = [
+        (0.0, event("response.created", response=opening)),
+        (0.0, event("response.in_progress", response=opening)),
+        (0.0, event("response.output_item.added", output_index=0, item=added)),
+        (0.0, event("response.content_part.added", **at, part=empty)),
+    ]
+    for i, piece in enumerate(_pieces(ok)):
+        events.append((ok.tpot_ms if i else ok.ttft_ms, event("response.output_text.delta", **at, delta=piece)))
+    text = item["content"][0]["text"]
+    events.append((0.0, event("response.output_text.done", **at, text=text)))
+    events.append((0.0, event("response.content_part.done", **at, part=item["content"][0])))
+    events.append((0.0, event("response.output_item.done", output_index=0, item=item)))
+    events.append((0.0, event("response.completed", response=answer)))
+    return events
+
+
+def _stored(stored: dict[str, dict[str, Any]], request: Recorded) -> tuple[int, dict[str, Any]]:
+    """GET/DELETE .../responses/{id}, GET .../input_items, POST .../cancel."""
+    ident, _, operation = request.path.rpartition("/responses/")[2].partition("/")
+    found = stored.get(ident)
+    if found is None:
+        return 404, {"error": {"message": f"Response with id '{ident}' not found.", "type": "invalid_request_error",
+                               "param": None, "code": None}}  # fmt: skip
+    answer = found["response"]
+    if operation == "input_items":
+        given = found["input"]
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": given}]}]
+        data = [{"id": f"msg_in_{ident}", **item} for item in (items if isinstance(given, str) else given or [])]
+        return 200, {"object": "list", "data": data, "first_id": None, "last_id": None, "has_more": False}
+    if operation == "cancel":
+        if not answer.get("background"):
+            return 400, _error(400)
+        answer["status"] = "cancelled"
+        return 200, answer
+    if request.method == "DELETE":
+        del stored[ident]
+        return 200, {"id": ident, "object": "response", "deleted": True}
+    return 200, answer

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import random
 import re
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -16,6 +18,7 @@ from gateway.settings import ConfigError
 from gateway.store import Store
 from plugins.rate_limit import (
     PERIOD_MS,
+    Lease,
     LocalBuckets,
     RateLimit,
     estimate,
@@ -327,6 +330,119 @@ async def test_redis_unreachable_fails_open_to_the_process() -> None:
         await store.aclose()
     assert plugin.fallbacks == 4
     assert store.failures >= 1
+
+
+# Leases: the arithmetic of one process's share of a shared bucket (times in ms)
+
+
+def test_a_lease_is_sized_to_the_observed_rate_within_its_cap() -> None:
+    lease = Lease(limit=600_000, cap=3000, ttl_ms=1000)
+    lease.need = 1
+    assert lease.outgoing(0.0, renew=True) == (0, 1, 1)  # nothing observed yet: what the request needs
+    lease.granted(0.0, 1, 6)
+    for _ in range(100):  # 100 requests in 100 ms: 1 per ms, so 200 for the next 200 ms
+        lease.free += 1
+        lease.take(1)
+    assert lease.low == 0 and lease.outgoing(100.0, renew=True) is None  # not known to be busy: no renewal
+    lease.free = 0
+    lease.need = 1
+    assert lease.outgoing(101.0, renew=True) == (0, 200, 1)
+    lease.granted(101.0, 200, 0)
+    assert lease.low == 100  # busy: renewed in the background once half is gone
+    for _ in range(2000):  # 20 per ms: capped
+        lease.take(1)
+    lease.free = 0
+    assert lease.outgoing(201.0, renew=True) == (0, 3000, 0)
+    lease.granted(201.0, 0, 0)
+    lease.free = 0
+    # Idle for 3 s: the rate is forgotten, the lease shrinks, and so slow a process renews nothing ahead.
+    lease.need = 1
+    settle, want, need = cast("tuple[int, int, int]", lease.outgoing(3201.0, renew=True))
+    assert (settle, need) == (0, 1) and want == round(20 * math.exp(-3) * 200)
+    lease.rate = lease.hit_rate = 0.0
+    lease.granted(3201.0, want, 0)
+    assert lease.low == 0
+
+
+def test_a_waiting_request_takes_what_it_needs_even_beyond_the_cap() -> None:
+    lease = Lease(limit=10_000, cap=50, ttl_ms=1000)
+    lease.granted(0.0, 20, 120)
+    lease.need = 1200 - 20
+    assert lease.outgoing(0.0, renew=False) == (0, 1180, 1180)
+    assert lease.outgoing(1.0, renew=False) is None  # the need was sent once; nothing else to say
+
+
+def test_corrections_and_lapsed_units_go_back_with_the_next_sync() -> None:
+    lease = Lease(limit=1000, cap=100, ttl_ms=1000)
+    lease.granted(0.0, 40, 60_000 * 100 // 1000)  # 40 granted, the bucket 100 below full after them
+    lease.take(30)
+    lease.settle += -25  # a reservation of 30 that used 5
+    assert lease.outgoing(500.0, renew=False) == (-25, 0, 0)  # not lapsed yet: the 10 left stay here
+    assert lease.free == 10
+    lease.owe(7)  # admitted on credit while a sync was late
+    assert lease.outgoing(1000.0, renew=False) == (7 - 10, 0, 0)  # lapsed: the 10 go back, the 7 are charged
+    assert lease.free == 0 and lease.settle == 0
+    assert lease.outgoing(2000.0, renew=False) is None
+
+
+def test_what_a_lease_knows_of_the_shared_bucket() -> None:
+    lease = Lease(limit=600, cap=3, ttl_ms=1000)  # 10 per second come back
+    assert lease.known(0.0) == 600 and not lease.fresh(0.0)  # never synced: a missing key is a full bucket
+    lease.granted(0.0, 3, 59_700)  # the shared bucket was left with 600 - 597 = 3 beside these 3
+    assert lease.known(0.0) == pytest.approx(6)
+    lease.take(2)
+    assert lease.remaining(0.0) == 4
+    assert lease.full_in(4) == 59_600
+    assert lease.known(500.0) == pytest.approx(9)  # plus what came back since
+    lease.settle = 5  # owed: corrections charge later
+    assert lease.remaining(500.0) == 4
+    assert lease.wait(500.0, 10) == 600  # 6 missing, 10 a second
+    assert lease.fresh(999.0) and not lease.fresh(1000.0)
+    lease.reset()
+    assert (lease.free, lease.settle, lease.known(0.0)) == (0, 0, 600)
+
+
+def test_the_over_admission_bound_holds_for_four_processes() -> None:
+    """Four processes admitting from leases of one bucket, which grants like the Redis script: over a minute
+    and a half they admit at most what a token bucket does plus what the leases can hold (docs/rate-limits.md)."""
+    limit, processes, share = 6000, 4, 0.005
+    cap = max(1, math.floor(share * limit))
+    per_ms = limit / PERIOD_MS
+    level, now, admitted = float(limit), 0.0, 0
+    leases = [Lease(limit, cap, 1000.0) for _ in range(processes)]
+    rng = random.Random(7)
+
+    def sync(lease: Lease, renew: bool) -> None:
+        nonlocal level
+        out = lease.outgoing(now, renew)
+        if out is None:
+            return
+        settle, want, need = out
+        level = min(float(limit), level - settle)
+        grant = max(0, min(want, math.floor(level)))
+        grant = grant if grant >= need else 0
+        level -= grant
+        lease.granted(now, grant, math.ceil((limit - level) / per_ms))
+
+    while now < 90_000:
+        step = rng.expovariate(1.0)  # about 1000 requests a second offered: far beyond the limit
+        now += step
+        level = min(float(limit), level + per_ms * step)
+        lease = rng.choice(leases)
+        for other in leases:
+            if other.free and now >= other.expires:
+                sync(other, renew=False)
+        if lease.free < 1:
+            lease.need = 1
+            sync(lease, renew=True)
+        if lease.free >= 1:
+            lease.take(1)
+            admitted += 1
+            if lease.free < lease.low:
+                sync(lease, renew=True)
+    bucket = limit + per_ms * now  # a token bucket's most in that time
+    assert bucket - processes * cap <= admitted <= bucket + processes * cap
+    assert max(lease.free for lease in leases) <= cap
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any
 
 from gateway.endpoints import Endpoints
+from gateway.health import Health
 from gateway.pool import PoolLimits
 from gateway.replica import Endpoint, parse_load
 from gateway.route import Prefix, Session, prompt_blocks
@@ -90,11 +91,12 @@ async def test_discovery_adds_warm_endpoints_and_drains_removed_ones() -> None:
             return answers.pop(0)
 
         backend = OpenAIBackend(type="openai", discovery={"dns": "replicas.example", "port": up.port})  # type: ignore[arg-type]
-        endpoints = Endpoints("b", backend, LIMITS, None, resolver=resolver)
+        endpoints = Endpoints("b", backend, LIMITS, None, Health("b"), resolver=resolver)
         await endpoints.start()
         try:
             assert [e.label for e in endpoints.all] == [f"127.0.0.1:{up.port}"]
-            assert endpoints.ready and endpoints.all[0].pool is not None and endpoints.all[0].pool.idle == 1
+            assert endpoints.health.state == "up"
+            assert endpoints.all[0].pool is not None and endpoints.all[0].pool.idle == 1
             await endpoints.refresh()
             assert [e.label for e in endpoints.all] == [f"127.0.0.1:{up.port}", f"127.0.0.2:{up.port}"]
             first = endpoints.all[0]
@@ -118,7 +120,7 @@ async def test_outlier_ejection_never_takes_the_last_healthy_endpoint() -> None:
         endpoints=["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1", "http://127.0.0.1:11/v1"],
         outlier={"consecutive_failures": 2, "max_ejected_percent": 100},  # type: ignore[arg-type]
     )
-    endpoints = Endpoints("b", backend, PoolLimits(warm=0), None)
+    endpoints = Endpoints("b", backend, PoolLimits(warm=0), None, Health("b"))
     await endpoints.start()
     try:
         now = time.monotonic()

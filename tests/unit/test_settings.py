@@ -45,6 +45,14 @@ def test_env_default_and_missing(monkeypatch: pytest.MonkeyPatch) -> None:
             "pool.max_connections",
         ),
         ("backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\ntypo: 1", "typo: unknown key"),
+        (
+            "backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\nredis: {url: 'http://:pw@h:1'}",
+            "redis.url: unsupported Redis URL scheme 'http'",
+        ),
+        (
+            "backends: {s: {type: simulated}}\nmodels: {m: {backend: s}}\nredis: {url: 'redis+cluster://a:1,b:x'}",
+            "redis.url: port 'x' is not a number",
+        ),
         ("- a list", "top level must be a mapping"),
         ("a: [unclosed", "not valid YAML"),
     ],

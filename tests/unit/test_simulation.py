@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from gateway.context import Exchange, Target
 from gateway.pool import ResponseClosed
 from gateway.providers.simulated import SimulatedProvider
-from gateway.simulation import DONE, JSON, SSE, WORDS, Profile, Reply, error_reply, simulate
+from gateway.simulation import DONE, JSON, SSE, WORDS, Profile, Reply, chat_tokens, error_reply, simulate, sse
 
 PROFILE = Profile(ttft_ms=100.0, tpot_ms=10.0, tokens=6, embedding_dim=8)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -291,11 +291,12 @@ async def test_provider_plays_a_stream_with_its_delays() -> None:
         arrivals.append(time.perf_counter() - started)
         pieces.append(piece)
     assert response.complete
-    assert len(pieces) == 1 + 3 + 1 + 1  # role, tokens, finish, [DONE]
+    assert len(pieces) == 1 + 3 + 1 + 1 + 1  # role, tokens, finish, usage (always reported), [DONE]
     assert pieces[-1] == DONE
+    assert b'"choices":[],"usage":{' in pieces[-2]
     assert b'"model":"upstream-name"' in pieces[0]
     assert arrivals[0] >= 0.055
-    assert arrivals[-1] - arrivals[0] >= 5 * 0.020 * 0.8
+    assert arrivals[-1] - arrivals[0] >= 6 * 0.020 * 0.8
     assert await response.next_chunk() == b""
     await provider.aclose()
 
@@ -335,3 +336,33 @@ async def test_close_wakes_a_waiting_reader() -> None:
     response.close()
     with pytest.raises(ResponseClosed):
         await asyncio.wait_for(reader, 1.0)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hello there  world"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a b"}]}],
+        [{"role": "assistant", "content": None}, {"role": "user", "content": ""}],
+    ],
+)
+def test_chat_tokens_count_as_usage_counts_prompt_tokens(messages: Any) -> None:
+    reply = simulate("chat/completions", {"messages": messages}, "m", Profile())
+    assert len(chat_tokens(messages)) == orjson.loads(reply.pieces[0])["usage"]["prompt_tokens"]
+
+
+def test_chat_tokens_of_a_later_turn_extend_the_earlier_turn() -> None:
+    first = [{"role": "user", "content": "one two"}]
+    later = [*first, {"role": "assistant", "content": "three"}, {"role": "user", "content": "four"}]
+    assert chat_tokens(later)[: len(chat_tokens(first))] == chat_tokens(first)
+
+
+def test_cached_tokens_are_reported_in_prompt_tokens_details() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
+    whole = simulate("chat/completions", {"messages": body["messages"]}, "m", Profile(), cached_tokens=16)
+    assert orjson.loads(whole.pieces[0])["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    stream = simulate("chat/completions", body, "m", Profile(tokens=3), cached_tokens=0)
+    assert stream.tokens == 3 and len(stream.pieces) == 1 + 3 + 1 + 1 + 1
+    assert orjson.loads(stream.pieces[-2][6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert all(piece.startswith(b"data: ") and piece.endswith(b"\n\n") for piece in stream.pieces)
+    assert sse(b"[DONE]") == DONE

@@ -311,6 +311,7 @@ def test_spans_of_a_streamed_upstream_answer(
         "gen_ai.request.max_tokens": 64,
         "gen_ai.usage.input_tokens": 7,
         "gen_ai.usage.output_tokens": 11,
+        "sluice.usage_source": "upstream",
         "gen_ai.response.time_to_first_chunk": pytest.approx((80.0 - 0.35) / 1000.0),
         "server.address": "10.1.2.3",
         "server.port": 8000,

@@ -141,3 +141,10 @@ async def test_outlier_ejection_never_takes_the_last_healthy_endpoint() -> None:
         assert not first.probing and first.ejections == 0
     finally:
         await endpoints.aclose()
+
+
+def test_the_routing_bench_is_a_scenario_of_its_own() -> None:
+    from gateway.tools import bench
+
+    assert bench.scenario_names("core,routing") == ("core", "routing")
+    assert "routing" not in bench.scenario_names("all")  # it needs its own replicas and minutes

@@ -28,6 +28,7 @@ class Runtime:
         ]
         self.telemetry = Telemetry(settings, self.plugins, self.store, self.upstreams)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
+        self.upstreams.instrument(self.meter)
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
         self.pipeline.route = self.responses.route

@@ -122,6 +122,7 @@ class Loader:
         self.owner = {cls.name: spec for spec, cls in self.classes.items()}  # plugin name -> its spec
 
     def settings(self) -> Settings | None:
+        self._order()
         core, parts = self._split()
         try:
             settings = Settings.model_validate(core)
@@ -171,7 +172,6 @@ class Loader:
 
     def _split(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The core's document, and per plugin name {"section": ..., "models": {...}, "tenants": {...}}."""
-        self._order()
         core: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {}
         core_keys = set(Settings.model_fields)
@@ -200,15 +200,13 @@ class Loader:
                     continue
                 mine: dict[str, Any] = {}
                 for key, value in fields.items():
-                    name = owned.get(key)
-                    if key in own or name is None:
-                        if name is None and key not in own:
-                            path = f"{kind}.{entry}.{key}"
-                            self.problems.append((path, f"unknown key{_suggest(str(key), own | set(owned))}"))
-                            continue
+                    path = f"{kind}.{entry}.{key}"
+                    if key in own:
                         mine[key] = value
+                    elif key in owned:
+                        self._claim(parts, owned[key], kind, str(entry), {key: value}, path)
                     else:
-                        self._claim(parts, name, kind, str(entry), {key: value}, f"{kind}.{entry}.{key}")
+                        self.problems.append((path, f"unknown key{_suggest(str(key), own | set(owned))}"))
                 split[entry] = mine
             core[kind] = split
         return core, parts

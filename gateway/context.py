@@ -47,6 +47,8 @@ class Exchange:
         "rejected_by",
         "request_id",
         "resource",
+        "route_ms",
+        "routed",
         "served",
         "started",
         "state",
@@ -96,6 +98,8 @@ class Exchange:
         self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
         self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head
         self.pool_ms = 0.0  # of which getting a connection for the attempt that served
+        self.route_ms = 0.0  # of which choosing endpoints (replicas) within backends
+        self.routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)
         self.overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
         self.state: dict[str, Any] = {}
         self.labels: dict[str, str] = {}  # metric label -> value, for the labels plugins declare

@@ -66,62 +66,43 @@ class GatewayError(Exception):
 
 
 class BadRequestError(GatewayError):
-    status = 400
-    type = "invalid_request_error"
+    status, type = 400, "invalid_request_error"
 
 
 class AuthenticationError(GatewayError):
-    status = 401
-    type = "invalid_request_error"
-    code = "invalid_api_key"
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
 class PermissionDeniedError(GatewayError):
-    status = 403
-    type = "invalid_request_error"
-    code = "model_not_allowed"
+    status, type, code = 403, "invalid_request_error", "model_not_allowed"
 
 
 class NotFoundError(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
+    status, type, code = 404, "invalid_request_error", "model_not_found"
 
 
 class MethodNotAllowedError(GatewayError):
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
 
 
 class PayloadTooLargeError(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "request_too_large"
+    status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
 class RateLimitError(GatewayError):
-    status = 429
-    type = "requests"
-    code = "rate_limit_exceeded"
+    status, type, code = 429, "requests", "rate_limit_exceeded"
 
 
 class UpstreamError(GatewayError):
-    status = 502
-    type = "upstream_error"
-    code = "bad_gateway"
+    status, type, code = 502, "upstream_error", "bad_gateway"
 
 
 class ServiceUnavailableError(GatewayError):
-    status = 503
-    type = "server_error"
-    code = "service_unavailable"
+    status, type, code = 503, "server_error", "service_unavailable"
 
 
 class UpstreamTimeoutError(GatewayError):
-    status = 504
-    type = "upstream_error"
-    code = "upstream_timeout"
+    status, type, code = 504, "upstream_error", "upstream_timeout"
 
 
 def from_pool_error(exc: pool.PoolError, backend: str) -> GatewayError:

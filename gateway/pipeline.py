@@ -256,6 +256,9 @@ class Pipeline:
                 raise
             return reply
         finally:
+            if ex.routed is not None:  # a backend with several endpoints chose one: the gateway's time
+                ex.upstream_ms -= ex.route_ms
+                ex.timings.append(("route", ex.route_ms))
             if ex.served is not None:  # the wait for a connection, of the attempt that served
                 ex.timings.append(("pool", ex.pool_ms))
             ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))

@@ -361,6 +361,11 @@ class Pool:
     def size(self) -> int:
         return len(self._all)
 
+    @property
+    def busy(self) -> int:
+        """Requests in flight here: connections in use, being opened, or waited for."""
+        return len(self._all) - len(self._idle) + self._opening + len(self._waiters)
+
     async def warm(self, count: int | None = None) -> int:
         """Open connections until `count` (default: limits.warm) are idle; return how many are idle.
 

@@ -76,19 +76,26 @@ class Owned:
         return response
 
 
-class Starter:
-    """The one target of a background request run by the gateway: starts the job, answers at once."""
+class Run:
+    """A target that is the gateway itself running background jobs: never down, no address."""
 
     kind = "background"
+    reports_usage = True
 
-    def __init__(self, background: Background, index: ResponseIndex, chain: tuple[Target, ...], system: str) -> None:
+    def __init__(self, background: Background, index: ResponseIndex, system: str) -> None:
         self.background = background
         self.index = index
-        self.chain = chain
         self.system = system
         self.url = None
-        self.health = Health("background")  # the gateway itself: never down
-        self.reports_usage = True
+        self.health = Health("background")
+
+
+class Starter(Run):
+    """The one target of a background request run by the gateway: starts the job, answers at once."""
+
+    def __init__(self, background: Background, index: ResponseIndex, chain: tuple[Target, ...], system: str) -> None:
+        super().__init__(background, index, system)
+        self.chain = chain
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         ident, response = await self.background.begin(ex, self.chain)
@@ -96,19 +103,12 @@ class Starter:
         return response
 
 
-class Reader:
+class Reader(Run):
     """A background job's record and events, for the tenant that created it only."""
 
-    kind = "background"
-
     def __init__(self, background: Background, index: ResponseIndex, ident: str, system: str) -> None:
-        self.background = background
-        self.index = index
+        super().__init__(background, index, system)
         self.ident = ident
-        self.system = system
-        self.url = None
-        self.health = Health("background")  # the gateway itself: never down
-        self.reports_usage = True
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         background = self.background

@@ -29,6 +29,7 @@ class Runtime:
         ]
         self.telemetry = Telemetry(settings, self.plugins, self.store, self.upstreams)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
+        self.upstreams.instrument(self.meter)
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.warmup = Warmup(settings, self.upstreams, self.meter)
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)

@@ -9,6 +9,7 @@ load: the request path reads plain attributes of these frozen objects.
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
@@ -43,8 +44,58 @@ class TlsSettings(Strict):
     ca_file: str | None = None  # a private CA's certificates (PEM), e.g. for a vLLM behind internal TLS
 
 
+class OutlierSettings(Strict):
+    """Envoy-style outlier detection over one backend's endpoints (gateway/endpoints.py)."""
+
+    consecutive_failures: int = Field(5, ge=1)  # connect errors, resets or 5xx in a row before an ejection
+    base_ejection_s: float = Field(1.0, gt=0)  # the first ejection; doubled for each one after, while it fails
+    max_ejection_s: float = Field(30.0, gt=0)
+    max_ejected_percent: float = Field(50.0, ge=0, le=100)  # the last healthy endpoint is never ejected
+
+
+class DiscoverySettings(Strict):
+    """Endpoints from a DNS name's A/AAAA records (a Kubernetes headless Service), re-resolved in the background."""
+
+    dns: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    path: str = "/v1"
+    interval_s: float = Field(10.0, gt=0)
+
+
+class RoutingSettings(Strict):
+    """How a request picks one of its backend's endpoints. `routing: prefix` is short for `{policy: prefix}`."""
+
+    policy: Literal["round_robin", "least_outstanding", "session", "prefix"] = "round_robin"
+    session_header: str = "x-session-id"  # session: this header, else the body's `user`
+    block_chars: int = Field(512, ge=16)  # prefix: bytes (characters of ASCII) per hashed block, ~128 tokens
+    max_blocks: int = Field(32, ge=1)  # prefix: how much of the leading prompt is hashed (16 KiB)
+    cache_blocks: int = Field(16384, ge=1)  # prefix: block hashes remembered per endpoint (LRU)
+    cache_ttl_s: float = Field(600.0, gt=0)  # prefix: a block not sent for this long is taken as evicted
+    load_weight: float = Field(1.0, ge=0)  # prefix: the load term's weight against the match fraction
+    kv_weight: float = Field(0.3, ge=0)  # prefix: the KV-cache usage term's weight (vLLM metrics)
+    max_load_factor: float = Field(2.0, ge=1.0)  # prefix: no endpoint above this times the mean load
+    metrics: bool | None = None  # scrape the endpoints' /metrics (vLLM names); default: on for type vllm
+    metrics_interval_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short(cls, value: Any) -> Any:
+        return {"policy": value} if isinstance(value, str) else value
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower(cls, header: str) -> str:
+        return header.lower()
+
+
 class RemoteBackend(Strict):
-    base_url: str
+    # Exactly one of: one URL, a list of replicas' URLs, or a DNS name whose addresses are the replicas.
+    base_url: str | None = None
+    endpoints: list[str] | None = None
+    discovery: DiscoverySettings | None = None
+    routing: RoutingSettings = RoutingSettings()
+    outlier: OutlierSettings = OutlierSettings()
     api_key: str = ""
     responses_api: bool = True  # false for a server with chat completions only (an older vLLM)
     tls: TlsSettings = TlsSettings()
@@ -52,10 +103,30 @@ class RemoteBackend(Strict):
     timeouts: Timeouts = Timeouts()
 
     @model_validator(mode="after")
-    def _url(self) -> RemoteBackend:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+    def _where(self) -> RemoteBackend:
+        given = [key for key in ("base_url", "endpoints", "discovery") if getattr(self, key) is not None]
+        if len(given) != 1:
+            found = f"got {' and '.join(given)}" if given else "none is set"
+            raise ValueError(f"set exactly one of base_url, endpoints or discovery, {found}")
+        urls = [self.base_url] if self.base_url is not None else self.endpoints or []
+        if self.endpoints is not None and not urls:
+            raise ValueError("endpoints needs at least one URL")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                key = "base_url" if self.base_url is not None else "endpoints"
+                raise ValueError(f"{key} must start with http:// or https://, got {url!r}")
+        if len({urlsplit(url).path.rstrip("/") for url in urls}) > 1:
+            raise ValueError("every endpoint must have the same path (e.g. all .../v1)")
+        if len(set(urls)) != len(urls):
+            raise ValueError("an endpoint is listed twice")
         return self
+
+    @property
+    def path(self) -> str:
+        """The path every endpoint's requests start with, e.g. /v1."""
+        if self.discovery is not None:
+            return self.discovery.path.rstrip("/")
+        return urlsplit((self.endpoints or [self.base_url or ""])[0]).path.rstrip("/")
 
 
 class OpenAIBackend(RemoteBackend):

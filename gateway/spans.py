@@ -91,7 +91,7 @@ class Layout:
             Status(StatusCode.ERROR, outcome.error) if outcome.status >= 500 else UNSET,
         )
         for stage, start, end in self.stages:
-            made.add(stage, root, start, end)
+            made.add(stage, root, start, end, route_attributes(ex) if stage == "route" else None)
         stream_parent = root
         if self.upstream is not None:
             start, waited = self.upstream
@@ -182,6 +182,9 @@ class Layout:
         if target is not None:
             attributes["gen_ai.provider.name"] = target.provider.system
             server = tracing.server(target)
+            if ex.routed is not None:  # the replica the backend's route policy chose
+                host, _, port = ex.routed[0].rpartition(":")
+                server = (host.strip("[]"), int(port))
             if server is not None:
                 attributes["server.address"], attributes["server.port"] = server
         if ex.served is not None:
@@ -269,3 +272,11 @@ def error_type(outcome: Outcome) -> str | None:
     if outcome.error is not None:
         return "stream_interrupted"
     return None
+
+
+def route_attributes(ex: Exchange) -> dict[str, Any] | None:
+    """The endpoint a backend's route policy chose, for the `route` span."""
+    if ex.routed is None:
+        return None
+    endpoint, policy, score = ex.routed
+    return {"sluice.endpoint": endpoint, "sluice.route.policy": policy, "sluice.route.score": score}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,34 +79,30 @@ class Store:
     async def execute(self, *command: Arg) -> Any:
         """One command, one round trip: `await store.execute("GET", key)`."""
         self._check()
-        try:
-            result = await self.client.call(command)
-        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
-            raise self._trip(exc) from exc
-        self._recovered()
-        return result
+        return await self._guarded(self.client.call(command))
 
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
         """Several commands in one round trip; a command's error is returned in its place, not raised."""
         self._check()
-        try:
-            result = await self.client.pipeline(commands)
-        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
-            raise self._trip(exc) from exc
-        self._recovered()
-        return result
+        return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
 
     async def run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         """EVALSHA `script`; a Redis that has forgotten it (restarted, flushed) is sent the source (EVAL)."""
         self._check()
+        return await self._guarded(self._run(script, keys, args))
+
+    async def _run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         try:
-            try:
-                result = await self.client.call(("EVALSHA", script.sha, len(keys), *keys, *args))
-            except ReplyError as exc:
-                if not str(exc).startswith("NOSCRIPT"):
-                    raise
-                # EVAL runs the script and caches it, in the same round trip and on the node that owns the keys.
-                result = await self.client.call(("EVAL", script.source, len(keys), *keys, *args))
+            return await self.client.call(("EVALSHA", script.sha, len(keys), *keys, *args))
+        except ReplyError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            # EVAL runs the script and caches it, in the same round trip and on the node that owns the keys.
+            return await self.client.call(("EVAL", script.source, len(keys), *keys, *args))
+
+    async def _guarded(self, call: Awaitable[Any]) -> Any:
+        try:
+            result = await call
         except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
         self._recovered()

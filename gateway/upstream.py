@@ -16,10 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prometheus_client import Gauge
+
 from gateway import errors
 from gateway.context import Target
 from gateway.pool import PoolError, PoolTimeout
 from gateway.providers.azure import AzureProvider
+from gateway.providers.http import HttpProvider
 from gateway.providers.llamacpp import LlamaCppProvider
 from gateway.providers.ollama import OllamaProvider
 from gateway.providers.openai import OpenAIProvider
@@ -32,6 +35,7 @@ from gateway.streaming import stream_rules
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
+    from gateway.metrics import Meter
     from gateway.providers.base import Provider, UpstreamResponse
     from gateway.settings import Settings
 
@@ -130,6 +134,19 @@ class Upstreams:
                 order.append(name)
                 pending.extend(self.targets[name].settings.fallback)
         return tuple(self.targets[name] for name in order)
+
+    def instrument(self, meter: Meter) -> None:
+        """The endpoints' health gauge, in the gateway's registry; with several workers, up only if up in all."""
+        gauge = Gauge(
+            "sluice_endpoint_up",
+            "1 while a backend's endpoint (replica) is in service, 0 while it is ejected or removed.",
+            ("backend", "endpoint"),
+            registry=meter.registry,
+            multiprocess_mode="livemin",
+        )
+        for provider in self.providers.values():
+            if isinstance(provider, HttpProvider):
+                provider.endpoints.instrument(gauge)
 
     async def start(self) -> None:
         await asyncio.gather(*(p.start() for p in self.providers.values()))

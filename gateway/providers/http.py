@@ -1,24 +1,23 @@
-"""What the HTTP backends share: a warm pool to one origin and a request written from pre-built bytes.
+"""What the HTTP backends share: warm pools to the backend's endpoints and a request written from pre-built bytes.
 
 Everything that does not change between requests (the path prefix, the credential header, the static
 headers) is serialised once here; a request adds only its target path, its ids and its body. The
-client's own credentials and headers are never forwarded: the backend's are injected instead.
+client's own credentials and headers are never forwarded: the backend's are injected instead. Which
+endpoint (replica) a request goes to is the backend's route policy's choice (gateway/endpoints.py, route.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import ssl
 from typing import TYPE_CHECKING, ClassVar
-from urllib.parse import urlsplit
 
 import orjson
 
+from gateway import route
+from gateway.endpoints import Endpoints
 from gateway.health import Health
-from gateway.http2 import Http2Client
-from gateway.pool import ConnectError, Pool, PoolError, PoolLimits
+from gateway.pool import PoolLimits
 from gateway.settings import ConfigError
 
 if TYPE_CHECKING:
@@ -28,10 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.upstream")
 
-MAINTAIN_INTERVAL_S = 5.0
 STREAM_OPTIONS = b'{"stream_options":{"include_usage":true},'
-RETRY_FIRST_S = 1.0  # a backend that is down is retried after this, then twice as long each time...
-RETRY_MAX_S = 30.0  # ...up to this
 
 
 def header_lines(headers: dict[str, str]) -> bytes:
@@ -83,8 +79,7 @@ class HttpProvider:
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         self.name = name
-        self.url = backend.base_url.rstrip("/")
-        self.base_path = urlsplit(self.url).path
+        self.base_path = backend.path
         self.limits = PoolLimits(
             max_connections=pool.max_connections,
             max_idle=pool.keepalive,
@@ -99,12 +94,16 @@ class HttpProvider:
         static.update(self.auth_headers(backend.api_key))
         static.update({k.lower(): v for k, v in backend.headers.items()})
         self.static_headers = header_lines(static)
+        urls = [backend.base_url] if backend.base_url is not None else backend.endpoints or []
+        spec = backend.discovery
+        # The backend's address as configured (spans' server.address when no endpoint was chosen).
+        self.url = urls[0].rstrip("/") if spec is None else f"{spec.scheme}://{spec.dns}:{spec.port}{self.base_path}"
         self.ssl = tls_context(name, backend) if self.url.startswith("https://") else None
-        self.http2 = pool.http2
-        self.pool: Pool | None = None
-        self.client: Pool | Http2Client | None = None
-        self._maintainer: asyncio.Task[None] | None = None
         self.health = Health(name)
+        self.endpoints = Endpoints(name, backend, self.limits, self.ssl, self.health, pool.http2)
+        # One fixed endpoint has nothing to choose from: no policy, no routing work per request.
+        alone = spec is None and len(urls) == 1
+        self.route: route.Policy | None = None if alone else route.build(backend.routing, self.endpoints.fresh_s)
 
     def auth_headers(self, api_key: str) -> dict[str, str]:
         return {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -117,65 +116,19 @@ class HttpProvider:
         return request_body(ex, model, self.reports_usage)
 
     async def start(self) -> None:
-        if self.http2:
-            self.client = Http2Client(self.url, self.limits, self.ssl)
-        else:
-            self.pool = self.client = Pool(self.url, self.limits, self.ssl)
-        try:
-            warm = await self.client.warm() if self.limits.warm else 0
-        except PoolError as exc:
-            self.health.mark_down(str(exc))
-        else:
-            self.health.mark_up(warm)
-        self._maintainer = asyncio.get_running_loop().create_task(self._maintain())
+        await self.endpoints.start()
 
     @property
     def ready(self) -> bool:
         return self.health.state != "warming"
 
-    async def _maintain(self) -> None:
-        """Keep `pool.warm_connections` open; retry a backend that is down, with back-off."""
-        retry = RETRY_FIRST_S
-        while True:
-            await asyncio.sleep(retry if self.health.down else MAINTAIN_INTERVAL_S)
-            if self.pool is not None:
-                self.pool.expire()
-                # A backend that is down is probed with one connection even when none is kept warm.
-                count = max(self.limits.warm, 1) if self.health.down else None
-                probe = self.pool.warm(count)
-            elif self.health.down and self.client is not None:
-                probe = self.client.warm()  # HTTP/2: one cheap request
-            else:
-                continue
-            try:
-                warm = await probe
-            except PoolError as exc:
-                self.health.mark_down(str(exc))
-                retry = min(retry * 2.0, RETRY_MAX_S)
-            else:
-                self.health.mark_up(warm)
-                retry = RETRY_FIRST_S
-
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
-        assert self.client is not None, "provider not started"
         headers = self.static_headers + b"x-request-id: " + ex.request_id.encode() + b"\r\n"
         if ex.traceparent is not None:
             headers += b"traceparent: " + ex.traceparent + b"\r\n"
         # A stored response's operations (retrieve, delete, cancel) carry no body of their own.
         body = b"" if ex.resource else self.body(ex, target)
-        try:
-            response = await self.client.request(ex.method, self.path(ex, target), headers, body)
-        except ConnectError as exc:
-            self.health.mark_down(str(exc))
-            raise
-        if self.health.down:
-            self.health.mark_up()
-        return response
+        return await self.endpoints.send(ex, self.route, ex.method, self.path(ex, target), headers, body)
 
     async def aclose(self) -> None:
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintainer
-        if self.client is not None:
-            await self.client.aclose()
+        await self.endpoints.aclose()

@@ -37,10 +37,10 @@ class OllamaProvider(SelfHostedProvider):
         super().__init__(name, backend, pool)
         self.resident: frozenset[str] = frozenset()  # models in memory at the last check (GET /api/ps)
 
-    async def probe(self, http: httpx.AsyncClient) -> tuple[str, str]:
-        server, detail = await super().probe(http)
-        if server == "up":
-            response = await http.get("/api/ps")
+    async def probe(self, http: httpx.AsyncClient, root: str) -> tuple[str, str]:
+        server, detail = await super().probe(http, root)
+        if server == "up" and root == self.roots[0]:  # the models in memory of the first endpoint
+            response = await http.get(root + "/api/ps")
             models: list[object] = []
             try:
                 if response.status_code == 200:
@@ -61,6 +61,7 @@ class OllamaProvider(SelfHostedProvider):
         body: dict[str, object] = {"model": model}
         if keep_alive is not None:
             body["keep_alive"] = keep_alive
-        response = await self._http.post("/api/generate", json=body, timeout=timeout_s)
-        response.raise_for_status()
+        for root in self.roots:  # every replica keeps it resident, whichever the next request goes to
+            response = await self._http.post(root + "/api/generate", json=body, timeout=timeout_s)
+            response.raise_for_status()
         self.resident = self.resident | {model}

@@ -50,7 +50,10 @@ class SelfHostedProvider(HttpProvider):
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         super().__init__(name, backend, pool)
-        self.root = self.url.removesuffix("/v1")
+        # Every configured endpoint's server root (base_url without its /v1): the backend is loading only while
+        # none of them is up. Discovered replicas are asked through the DNS name the backend is configured with.
+        urls = [backend.base_url] if backend.base_url is not None else backend.endpoints or [self.url]
+        self.roots = [url.rstrip("/").removesuffix(self.base_path) for url in urls]
         self.server = "unknown"
         self.loading = False
         self.detail = ""  # what the last health check said, for logs and the status page
@@ -83,34 +86,39 @@ class SelfHostedProvider(HttpProvider):
     async def start(self) -> None:
         await super().start()
         verify: Any = self.ssl if self.ssl is not None else True
-        self._http = httpx.AsyncClient(
-            base_url=self.root, headers=self._check_headers, timeout=HEALTH_TIMEOUT_S, verify=verify
-        )
+        self._http = httpx.AsyncClient(headers=self._check_headers, timeout=HEALTH_TIMEOUT_S, verify=verify)
         await self.check()  # known before the gateway reports ready
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def check(self) -> str:
         """Ask the server once; update `server` (and tell the listeners when it changed)."""
         assert self._http is not None, "provider not started"
-        try:
-            server, detail = await self.probe(self._http)
-        except httpx.HTTPError as exc:
-            server, detail = "down", f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        found = await asyncio.gather(*(self._ask(self._http, root) for root in self.roots))
+        server, detail = next(
+            (answer for answer in found if answer[0] == "up"),
+            next((answer for answer in found if answer[0] == "loading"), found[0]),
+        )
         self._set(server, detail)
         return server
 
-    async def probe(self, http: httpx.AsyncClient) -> tuple[str, str]:
+    async def _ask(self, http: httpx.AsyncClient, root: str) -> tuple[str, str]:
+        try:
+            return await self.probe(http, root)
+        except httpx.HTTPError as exc:
+            return "down", f"{root}: {type(exc).__name__}: {exc}" if str(exc) else f"{root}: {type(exc).__name__}"
+
+    async def probe(self, http: httpx.AsyncClient, root: str) -> tuple[str, str]:
         """(server, detail) from the server's health path: 200 up, 503 loading; any other answer is a server
         that is up without that path (a proxy in front, an older version)."""
-        response = await http.get(self.health_path)
+        response = await http.get(root + self.health_path)
         if response.status_code == 503:
             return "loading", _message(response) or "503 from " + self.health_path
         if response.status_code == 200:
             return "up", ""
         return "up", f"{self.health_path} answered {response.status_code}"
 
-    async def on_up(self, http: httpx.AsyncClient) -> None:
-        """Called once each time the server comes up: read what it says about itself."""
+    async def on_up(self, http: httpx.AsyncClient, root: str) -> None:
+        """Called once each time the backend comes up, with the first endpoint's root: read what it says."""
 
     def _set(self, server: str, detail: str) -> None:
         before = self.server
@@ -136,7 +144,7 @@ class SelfHostedProvider(HttpProvider):
 
     async def _on_up(self, http: httpx.AsyncClient) -> None:
         try:
-            await self.on_up(http)
+            await self.on_up(http, self.roots[0])
         except (httpx.HTTPError, ValueError) as exc:
             log.info("backend %s: could not read its details: %s", self.name, exc)
 

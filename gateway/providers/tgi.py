@@ -42,8 +42,8 @@ class TGIProvider(SelfHostedProvider):
     def report(self) -> dict[str, Any]:
         return {**super().report(), "info": self.info}
 
-    async def on_up(self, http: httpx.AsyncClient) -> None:
-        response = await http.get("/info")
+    async def on_up(self, http: httpx.AsyncClient, root: str) -> None:
+        response = await http.get(root + "/info")
         if response.status_code != 200:
             return
         body = response.json()

@@ -10,9 +10,10 @@ gateway CPU read from /proc.
 
 Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare gateway, the default),
 `tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss), `tracing` (OTLP
-export at two sample ratios) and `full` (every stage on at once, every request a cache miss). This module
-parses the command line and runs them in order; the load is in bench_load, the processes in bench_fleet and
-bench_rig, each scenario in its own module, the page in bench_report.
+export at two sample ratios), `full` (every stage on at once, every request a cache miss) and `routing` (the
+route policies over simulated replicas, bench_routing; not in `all`). This module parses the command line
+and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
+in its own module, the page in bench_report.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ __all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", 
 
 T = TypeVar("T")
 SCENARIOS = ("core", "tenants", "cache", "tracing", "full")
+# Run by its own module with its own replicas and gateway (gateway/tools/bench_routing.py); not part of `all`.
+ROUTING = "routing"
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -137,12 +140,13 @@ def scenario_names(text: str) -> tuple[str, ...]:
     asked = {name.strip() for name in text.split(",") if name.strip()}
     if "all" in asked:
         return SCENARIOS
-    unknown = asked - set(SCENARIOS)
+    unknown = asked - {*SCENARIOS, ROUTING}
     if unknown or not asked:
+        names = ", ".join((*SCENARIOS, ROUTING))
         raise argparse.ArgumentTypeError(
-            f"unknown scenario {', '.join(sorted(unknown)) or '(none)'}: choose from {', '.join(SCENARIOS)} or all"
+            f"unknown scenario {', '.join(sorted(unknown)) or '(none)'}: choose from {names} or all"
         )
-    return tuple(name for name in SCENARIOS if name in asked)
+    return tuple(name for name in (*SCENARIOS, ROUTING) if name in asked)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=scenario_names,
         default=("core",),
         metavar="NAME[,NAME...]",
-        help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core)",
+        help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core); {ROUTING}: the route policies",
     )
     parser.add_argument("--config", help=f"the core gateway's config (default bench/{CORE_CONFIG})")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown report to PATH")
@@ -178,6 +182,14 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
     """Run, print the report, write it with --write; 0 when every request succeeded."""
     if isinstance(options, argparse.Namespace):
         options = options_from_args(options)
+    if ROUTING in options.scenarios:
+        from gateway.tools import bench_routing
+
+        seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
+        status = bench_routing.main(seconds)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != ROUTING))
+        if not options.scenarios or status:
+            return status
     try:
         report = run(options)
     except BenchError as exc:

@@ -213,6 +213,20 @@ class Generation:
         self.engine.generation_tokens += 1
 
 
+def prompt_count(endpoint: str, body: dict[str, Any]) -> int | None:
+    """How many tokens a request's prompt has, as the simulation counts them; None for a request the
+    simulation's own validation will refuse (no messages, no prompt)."""
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if endpoint == "chat/completions" and not (isinstance(messages, list) and messages):
+        return None
+    if endpoint == "completions" and not isinstance(prompt, (str, list)):
+        return None
+    try:
+        return len(prompt_tokens(endpoint, body))
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
 def prompt_tokens(endpoint: str, body: dict[str, Any]) -> list[str]:
     """The simulated tokens of a validated chat or completions request."""
     if endpoint == "chat/completions":

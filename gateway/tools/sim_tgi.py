@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from gateway.tools.sim_engine import Engine, Options, Replica, metric_lines, openai, prompt_tokens, stats_response
+from gateway.tools.sim_engine import Engine, Options, Replica, metric_lines, openai, prompt_count, stats_response
 from gateway.tools.sim_http import Request, Response, json_response
 
 VERSION = "3.0.1"
@@ -99,15 +99,9 @@ def _reshape(status: int, body: bytes) -> Response:
 
 
 def _limits(options: Options, endpoint: str, body: dict[str, Any]) -> Response | None:
-    messages, prompt = body.get("messages"), body.get("prompt")
-    if endpoint == "chat/completions" and not (isinstance(messages, list) and messages):
+    count = prompt_count(endpoint, body)
+    if count is None:
         return None  # the simulation's own validation answers
-    if endpoint == "completions" and not isinstance(prompt, (str, list)):
-        return None
-    try:
-        count = len(prompt_tokens(endpoint, body))
-    except (KeyError, TypeError, AttributeError):
-        return None
     total = options.max_model_len
     if count >= total:
         return validation(f"Input validation error: `inputs` must have less than {total - 1} tokens. Given: {count}")

@@ -9,7 +9,7 @@ Behaviour that matters to a router:
 - Start-up: the API server binds its port only after the model is loaded, so for `load_ms` connections are
   refused rather than answered 503.
 - `stream_options.include_usage` is honoured (a final chunk with empty `choices` and the usage), and usage
-  reports `prompt_tokens_details.cached_tokens`, the prefix-cache hit. As in vLLM's `protocol.py`,
+  reports `prompt_count_details.cached_tokens`, the prefix-cache hit. As in vLLM's `protocol.py`,
   `include_usage` defaults to true once `stream_options` is given, and a non-empty `stream_options` on a
   request that does not stream is a 400 ("Stream options can only be defined when `stream=True`.").
   Not modelled: `continuous_usage_stats`.
@@ -28,7 +28,15 @@ from typing import Any
 
 import orjson
 
-from gateway.tools.sim_engine import Engine, Options, Replica, metric_lines, openai, prompt_tokens, stats_response
+from gateway.tools.sim_engine import (
+    Engine,
+    Options,
+    Replica,
+    metric_lines,
+    openai,
+    prompt_count,
+    stats_response,
+)
 from gateway.tools.sim_http import Request, Response, json_response
 
 VERSION = "0.9.2"
@@ -85,15 +93,9 @@ def _reshape(status: int, body: bytes) -> Response:
 
 
 def _context_check(options: Options, endpoint: str, body: dict[str, Any]) -> Response | None:
-    messages, prompt = body.get("messages"), body.get("prompt")
-    if endpoint == "chat/completions" and not (isinstance(messages, list) and messages):
+    count = prompt_count(endpoint, body)
+    if count is None:
         return None  # the simulation's own validation answers
-    if endpoint == "completions" and not isinstance(prompt, (str, list)):
-        return None
-    try:
-        count = len(prompt_tokens(endpoint, body))
-    except (KeyError, TypeError, AttributeError):
-        return None
     limit = options.max_model_len
     asked = body.get("max_completion_tokens", body.get("max_tokens"))
     if type(asked) is int and count + asked > limit:

@@ -255,3 +255,21 @@ models:
         finally:
             server.terminate()
             server.wait(10)
+
+
+def test_a_backend_with_several_endpoints_is_loading_only_while_none_is_up() -> None:
+    with standin("llamacpp", load_ms=60_000) as slow, standin("llamacpp", load_ms=0) as ready:
+        config = f"""
+backends:
+  both: {{type: llamacpp, endpoints: ["{slow.base_url()}", "{ready.base_url()}"]}}
+  slow: {{type: llamacpp, base_url: "{slow.base_url()}"}}
+pool: {{warm_connections: 1}}
+models:
+  a: {{backend: both}}
+  b: {{backend: slow}}
+"""
+        with gateway_thread(config) as gw:
+            backends = httpx.get(f"{gw.url}/status").json()["backends"]
+            assert backends["both"]["state"] != "loading" and backends["both"]["server"] == "up"
+            assert backends["slow"]["state"] == "loading" and backends["slow"]["server_detail"] == "Loading model"
+            assert requests(slow, "/health") >= 2 and requests(ready, "/health") >= 1

@@ -5,7 +5,8 @@ own event loop in a background thread, so sync and async tests alike can point a
 
 Each request to a model endpoint (`.../chat/completions`, `.../completions`, `.../embeddings`, OpenAI or Azure
 `/openai/deployments/{d}/...` paths) takes the next scripted behaviour, or `up.default` once the script is empty.
-`GET .../models` gets a model list and consumes nothing; other paths get a 404. Every request is recorded.
+`GET .../models` gets a model list and consumes nothing; so does `GET /metrics` when `up.metrics` holds a
+Prometheus text (a vLLM stand-in's load); other paths get a 404. Every request is recorded.
 
 `POST .../responses` is the Responses API: the response object, or its event stream (`event:` and `data:`
 lines, a `sequence_number` on each), the same bytes for the same request body. Responses it made are kept
@@ -139,13 +140,15 @@ class ScriptedUpstream:
 
     _loop: asyncio.AbstractEventLoop  # the server thread's, from __enter__ on
 
-    def __init__(self, default: Behaviour | None = None) -> None:
+    def __init__(self, default: Behaviour | None = None, port: int = 0) -> None:
         self.default: Behaviour = default if default is not None else Ok()
+        self.metrics: str | None = None  # served at GET /metrics when set
         self.requests: list[Recorded] = []
         self.connections_opened = 0
         self.disconnects: list[float] = []  # time.monotonic() of each client close during an answer
         self.stored: dict[str, dict[str, Any]] = {}  # Responses API objects by id
         self.port = 0
+        self._wanted_port = port  # 0: a free one
         self._script: deque[Behaviour] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -189,7 +192,8 @@ class ScriptedUpstream:
         loop = self._loop
         asyncio.set_event_loop(loop)
         try:
-            server = loop.run_until_complete(loop.create_server(lambda: _Connection(self), "127.0.0.1", 0))
+            serving = loop.create_server(lambda: _Connection(self), "127.0.0.1", self._wanted_port)
+            server = loop.run_until_complete(serving)
             self.port = server.sockets[0].getsockname()[1]
             ready.set()
             loop.run_forever()
@@ -344,6 +348,11 @@ class _Connection(asyncio.Protocol):
             elif request.path.endswith("/models"):
                 models = {"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "tests"}]}
                 await self._write(_json_answer(200, models))
+            elif request.path == "/metrics" and self.up.metrics is not None:
+                text = self.up.metrics.encode()
+                await self._write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
+                )
             else:
                 await self._write(_json_answer(404, _error(404)))
             return True

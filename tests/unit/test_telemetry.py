@@ -665,3 +665,26 @@ def test_grafana_is_provisioned_with_the_dashboard(monkeypatch: pytest.MonkeyPat
         titles
     )
     assert {variable["name"] for variable in dashboard["templating"]["list"]} == {"tenant", "model"}
+
+
+def test_a_routed_request_has_a_route_span_naming_the_endpoint(
+    traced: tuple[Tracing, InMemorySpanExporter, Fates], upstreams: Upstreams
+) -> None:
+    tracing, memory, _ = traced
+    ex = exchange(upstreams)
+    tracing.begin(ex)
+    served(ex, upstreams)
+    ex.timings.insert(3, ("route", 0.01))
+    ex.routed = ("10.0.0.7:8000", "prefix", 0.75)
+    tracing.record(ex, finished())
+    tracing.processor.force_flush()
+    spans = by_name(memory.get_finished_spans())
+    route = spans["route"]
+    assert route.attributes is not None
+    assert dict(route.attributes) == {
+        "sluice.endpoint": "10.0.0.7:8000",
+        "sluice.route.policy": "prefix",
+        "sluice.route.score": 0.75,
+    }
+    client = spans["chat chat-large"].attributes
+    assert client is not None and (client["server.address"], client["server.port"]) == ("10.0.0.7", 8000)

@@ -32,7 +32,7 @@ from tests.support.gateway import free_port, wait_ready
 from tests.support.redis import RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BASE = ROOT / "deploy/kubernetes/base"
 OVERLAY = ROOT / "deploy/kubernetes/overlays/example"
 K8S_VERSION = "1.32"  # the schemas every object must satisfy (kubernetes-validate bundles them)

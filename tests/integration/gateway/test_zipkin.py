@@ -18,7 +18,7 @@ import pytest
 
 from gateway.config import parse
 from gateway.settings import ConfigError
-from tests.integration.test_telemetry import (
+from tests.integration.gateway.test_telemetry import (
     CLIENT_SPAN,
     CLIENT_TRACE,
     KEY,
@@ -29,7 +29,7 @@ from tests.integration.test_telemetry import (
     metric,
     scrape,
 )
-from tests.integration.test_telemetry import config as otlp_config
+from tests.integration.gateway.test_telemetry import config as otlp_config
 from tests.support.gateway import RunningGateway, free_port, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream
 from tests.support.zipkin import ZipkinReceiver, ZipkinSpan

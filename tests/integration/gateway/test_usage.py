@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from plugins.auth.keys import new_key
-from tests.integration.test_telemetry import OtlpReceiver, metric, scrape
+from tests.integration.gateway.test_telemetry import OtlpReceiver, metric, scrape
 from tests.support.gateway import RunningGateway, free_port, gateway_thread, wait_ready
 from tests.support.upstream import Ok, ScriptedUpstream
 

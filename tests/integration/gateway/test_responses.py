@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from plugins.auth.keys import new_key
-from tests.integration.test_telemetry import OtlpReceiver, children, metric, scrape
+from tests.integration.gateway.test_telemetry import OtlpReceiver, children, metric, scrape
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream, Status
 

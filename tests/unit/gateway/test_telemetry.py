@@ -532,7 +532,7 @@ def test_server_timing() -> None:
 
 # -- the compose stack: no Docker engine here, so its files are checked for what they promise ----------------
 
-ROOT_DIR = Path(__file__).resolve().parents[2]
+ROOT_DIR = Path(__file__).resolve().parents[3]
 
 
 def load_yaml(relative: str) -> Any:

@@ -73,10 +73,15 @@ def sim() -> Iterator[RunningGateway]:
 def test_a_background_response_is_polled_until_completed(sim: RunningGateway) -> None:
     client = sdk(sim)
     made = client.responses.create(model="m", input="tell me a story", background=True)
-    assert made.id.startswith("resp_") and made.status == "queued" and made.background
+    assert made.id.startswith("resp_")
+    assert made.status == "queued"
+    assert made.background
     done = finished(client, made.id)
-    assert done.status == "completed" and done.id == made.id and len(done.output_text.split()) == 40
-    assert done.usage is not None and done.usage.output_tokens == 40
+    assert done.status == "completed"
+    assert done.id == made.id
+    assert len(done.output_text.split()) == 40
+    assert done.usage is not None
+    assert done.usage.output_tokens == 40
     items = client.responses.input_items.list(made.id)
     assert [item.type for item in items.data] == ["message"]
 
@@ -93,7 +98,8 @@ def test_a_resumed_stream_gets_exactly_the_missing_events(sim: RunningGateway) -
     ident = seen[0].response.id
     last = seen[-1].sequence_number
     rest = list(client.responses.retrieve(ident, stream=True, starting_after=last))
-    assert rest[0].sequence_number == last + 1 and rest[-1].type == "response.completed"
+    assert rest[0].sequence_number == last + 1
+    assert rest[-1].type == "response.completed"
     every = list(client.responses.retrieve(ident, stream=True))
     assert [e.sequence_number for e in every] == list(range(len(every)))
     assert [e.model_dump() for e in seen + rest] == [e.model_dump() for e in every]
@@ -135,14 +141,16 @@ def test_cancel_closes_the_upstream_and_the_cap_is_per_tenant() -> None:
             assert up.wait_disconnect(5.0), "the upstream generation was not stopped"
             assert client.responses.retrieve(made.id).status == "cancelled"
             events = list(client.responses.retrieve(made.id, stream=True))
-            assert events[-1].type == "response.failed" and events[-1].response.status == "cancelled"
+            assert events[-1].type == "response.failed"
+            assert events[-1].response.status == "cancelled"
             # The slot is free again once the job has ended.
             until(
                 lambda: _created(client),
                 what="a new job admitted",
             )
         sent = [r.json for r in up.requests if r.path == "/v1/responses"]
-        assert sent[0]["stream"] is True and "background" not in sent[0]  # the gateway streams it itself
+        assert sent[0]["stream"] is True
+        assert "background" not in sent[0]  # the gateway streams it itself
 
 
 def _created(client: openai.OpenAI) -> bool | None:
@@ -174,7 +182,8 @@ def test_background_chat_completions(sim: RunningGateway) -> None:
     assert accepted.status_code == 202
     job = accepted.json()
     location = accepted.headers["location"]
-    assert location == f"/v1/sluice/background/{job['id']}" and job["status"] == "queued"
+    assert location == f"/v1/sluice/background/{job['id']}"
+    assert job["status"] == "queued"
 
     def done() -> dict[str, Any] | None:
         status = httpx.get(f"{sim.url}{location}", headers=auth).json()
@@ -182,12 +191,14 @@ def test_background_chat_completions(sim: RunningGateway) -> None:
 
     status = until(done, what="the chat job's end")
     result = status["result"]
-    assert result["object"] == "chat.completion" and len(result["choices"][0]["message"]["content"].split()) == 40
+    assert result["object"] == "chat.completion"
+    assert len(result["choices"][0]["message"]["content"].split()) == 40
     assert result["usage"]["completion_tokens"] == 40
 
     whole = httpx.get(f"{sim.url}{location}/events", headers=auth).text
     ids = [int(line[4:]) for line in whole.splitlines() if line.startswith("id: ")]
-    assert ids == list(range(len(ids))) and whole.endswith("data: [DONE]\n\n")
+    assert ids == list(range(len(ids)))
+    assert whole.endswith("data: [DONE]\n\n")
     resumed = httpx.get(f"{sim.url}{location}/events", headers={**auth, "last-event-id": str(ids[-5])}).text
     assert [int(line[4:]) for line in resumed.splitlines() if line.startswith("id: ")] == ids[-4:]
     assert whole.endswith(resumed)
@@ -204,10 +215,12 @@ def test_created_on_one_instance_resumed_on_another(redis_server: RedisServer, t
         made = sdk(one).responses.create(model="m", input="shared", background=True)
         other = sdk(two)
         done = finished(other, made.id)
-        assert done.status == "completed" and len(done.output_text.split()) == 40
+        assert done.status == "completed"
+        assert len(done.output_text.split()) == 40
         rest = list(other.responses.retrieve(made.id, stream=True, starting_after=30))
         assert [e.sequence_number for e in rest] == list(range(31, rest[-1].sequence_number + 1))
-        assert rest[-1].type == "response.completed" and rest[-1].response.id == made.id
+        assert rest[-1].type == "response.completed"
+        assert rest[-1].response.id == made.id
         assert sdk(one).responses.retrieve(made.id).output_text == done.output_text
 
 
@@ -223,7 +236,9 @@ def test_a_job_whose_owner_died_ends_failed(redis_server: RedisServer, tmp_path:
         owner.process.wait(10)
         killed = time.monotonic()
         failed = finished(client, made.id, timeout=10.0)
-        assert failed.status == "failed" and failed.error is not None and failed.error.code == "owner_lost"
+        assert failed.status == "failed"
+        assert failed.error is not None
+        assert failed.error.code == "owner_lost"
         assert time.monotonic() - killed < 8.0  # the lease is 1 s; polls notice it soon after
 
 
@@ -238,9 +253,12 @@ def test_a_graceful_shutdown_fails_the_owners_jobs_at_once(redis_server: RedisSe
         owner.process.terminate()
         owner.process.wait(10)
         ended = client.responses.retrieve(made.id)
-        assert ended.status == "failed" and ended.error is not None and ended.error.code == "gateway_shutdown"
+        assert ended.status == "failed"
+        assert ended.error is not None
+        assert ended.error.code == "gateway_shutdown"
         events = list(client.responses.retrieve(made.id, stream=True))
-        assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+        assert events[-1].type == "response.failed"
+        assert events[-1].response.status == "failed"
 
 
 def test_background_needs_store(sim: RunningGateway) -> None:
@@ -256,8 +274,10 @@ def test_redis_down_refuses_background_requests_and_nothing_else(redis_server: R
         redis_server.stop()
         with pytest.raises(openai.InternalServerError) as caught:
             client.responses.create(model="m", input="during", background=True)
-        assert caught.value.status_code == 503 and caught.value.code == "background_unavailable"  # type: ignore[attr-defined]
+        assert caught.value.status_code == 503
+        assert caught.value.code == "background_unavailable"  # type: ignore[attr-defined]
         with pytest.raises(openai.InternalServerError):
             client.responses.retrieve(made.id)  # its record is in Redis: unavailable, not lost or wrong
         direct = client.responses.create(model="m", input="not in the background")
-        assert direct.status == "completed" and client.responses.retrieve(direct.id).id == direct.id
+        assert direct.status == "completed"
+        assert client.responses.retrieve(direct.id).id == direct.id

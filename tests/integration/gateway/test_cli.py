@@ -32,7 +32,8 @@ def test_bad_config_stops_serve_with_one_line(tmp_path: Path) -> None:
         assert result.returncode == 2
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1, result.stderr
-        assert "models.m.backend" in lines[0] and str(path) in lines[0]
+        assert "models.m.backend" in lines[0]
+        assert str(path) in lines[0]
 
 
 BAD = """
@@ -49,7 +50,9 @@ def test_check_and_serve_say_the_same_lines_for_every_problem(tmp_path: Path) ->
     said = []
     for command in ("check", "serve"):
         result = sluice(command, "-c", str(path))
-        assert result.returncode == 2 and "Traceback" not in result.stderr and not result.stdout
+        assert result.returncode == 2
+        assert "Traceback" not in result.stderr
+        assert not result.stdout
         said.append(result.stderr.splitlines())
     assert (
         said[0]
@@ -63,7 +66,8 @@ def test_check_and_serve_say_the_same_lines_for_every_problem(tmp_path: Path) ->
     path.write_text(BAD.replace(", cahce", "").replace("chta", "chat"))
     for command in ("check", "serve"):
         result = sluice(command, "-c", str(path))
-        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert result.returncode == 2
+        assert "Traceback" not in result.stderr
         assert result.stderr.splitlines() == [
             f"sluice: config error: {path}: backends.tls.tls.ca_file: cannot load /nowhere.pem: "
             "No such file or directory"
@@ -86,5 +90,7 @@ def test_a_busy_port_is_one_line_not_a_traceback() -> None:
         result = sluice("sim", "--port", str(port))
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"127.0.0.1:{port}" in lines[0]
+    assert "in use" in lines[0]

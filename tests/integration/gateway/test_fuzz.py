@@ -159,4 +159,5 @@ def test_any_request_gets_an_answer_in_the_right_shape(
     if response.status_code >= 400:
         assert response.headers["content-type"].startswith("application/json"), response.text[:200]
         error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert error["message"], error

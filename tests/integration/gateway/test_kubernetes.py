@@ -199,7 +199,8 @@ def test_the_schemas_are_strict() -> None:
 def test_the_objects_find_each_other(overlay: list[dict[str, Any]]) -> None:
     deployment = one(overlay, "Deployment", "sluice")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert deployment["spec"]["selector"]["matchLabels"] == GATEWAY and GATEWAY.items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"] == GATEWAY
+    assert GATEWAY.items() <= pod_labels.items()
     container = gateway_container(overlay)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
 
@@ -245,12 +246,14 @@ def test_the_overlay_sets_namespace_image_and_a_dev_valkey(overlay: list[dict[st
         if "secretKeyRef" in var.get("valueFrom", {})
     }
     assert refs.keys() == {"OPENAI_API_KEY", "AZURE_OPENAI_API_KEY", "REDIS_URL"}
-    assert {ref["name"] for ref in refs.values()} == {"sluice"} and {r["key"] for r in refs.values()} <= secret.keys()
+    assert {ref["name"] for ref in refs.values()} == {"sluice"}
+    assert {r["key"] for r in refs.values()} <= secret.keys()
     url = httpx.URL(secret["REDIS_URL"])
     service = one(overlay, "Service", url.host)
     assert url.port in {p["port"] for p in service["spec"]["ports"]}
     statefulset = one(overlay, "StatefulSet", url.host)
-    assert statefulset["spec"]["replicas"] == 1 and statefulset["spec"]["serviceName"] == url.host
+    assert statefulset["spec"]["replicas"] == 1
+    assert statefulset["spec"]["serviceName"] == url.host
     assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
     (valkey,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert {"--save", "--appendonly"} <= set(valkey["args"])  # no persistence
@@ -268,14 +271,16 @@ def test_the_config_passes_sluice_check(overlay: list[dict[str, Any]], tmp_path:
         [sys.executable, "-m", "gateway.cli", "check", "-c", str(path)], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok: 2 backend(s)") and "auth, rate_limit, cache, slo" in done.stdout
+    assert done.stdout.startswith("ok: 2 backend(s)")
+    assert "auth, rate_limit, cache, slo" in done.stdout
 
     # Without the Secret's values the config says which variable is missing: the pod would not start quietly.
     del env["REDIS_URL"]
     done = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "check", "-c", str(path)], capture_output=True, text=True, env=env
     )
-    assert done.returncode != 0 and "REDIS_URL" in done.stderr
+    assert done.returncode != 0
+    assert "REDIS_URL" in done.stderr
 
 
 def test_the_grace_period_covers_prestop_and_the_drain(base: list[dict[str, Any]]) -> None:
@@ -289,7 +294,8 @@ def test_the_grace_period_covers_prestop_and_the_drain(base: list[dict[str, Any]
 def test_pods_run_locked_down(overlay: list[dict[str, Any]]) -> None:
     for workload in [o for o in overlay if o["kind"] in ("Deployment", "StatefulSet")]:
         pod = workload["spec"]["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] > 0
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert pod["automountServiceAccountToken"] is False
         for container in pod["containers"]:
@@ -298,7 +304,8 @@ def test_pods_run_locked_down(overlay: list[dict[str, Any]]) -> None:
             assert context["readOnlyRootFilesystem"] is True
             assert context["capabilities"] == {"drop": ["ALL"]}
             assert context["seccompProfile"] == {"type": "RuntimeDefault"}
-            assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+            assert container["resources"]["requests"]
+            assert container["resources"]["limits"]["memory"]
     # The image's user is the pod's: numeric, so that runAsNonRoot can check it.
     user = re.search(r"^USER (\d+):(\d+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert user is not None
@@ -389,7 +396,8 @@ def serve_like_the_pod(objects: list[dict[str, Any]], tmp_path: Path, wrapper: l
                 )
             (endpoint,) = one(objects, "ServiceMonitor", "sluice")["spec"]["endpoints"]
             scraped = httpx.get(url + endpoint["path"], timeout=5)
-            assert scraped.status_code == 200 and "sluice_requests_total{" in scraped.text
+            assert scraped.status_code == 200
+            assert "sluice_requests_total{" in scraped.text
             assert 'tenant="acme"' in scraped.text
 
 

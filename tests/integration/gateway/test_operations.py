@@ -88,9 +88,14 @@ plugins: [auth]
         lines = wait_until(access, what="two access lines")
         assert {line["request_id"] for line in lines} == rids
         for line in lines:
-            assert line["tenant"] == "acme" and line["model"] == "chat" and line["served_model"] == "chat"
-            assert line["status"] == 200 and "cache" not in line and line["level"] == "info"  # no cache plugin
-            assert isinstance(line["ttft_ms"], float) and line["total_ms"] >= line["ttft_ms"]
+            assert line["tenant"] == "acme"
+            assert line["model"] == "chat"
+            assert line["served_model"] == "chat"
+            assert line["status"] == 200
+            assert "cache" not in line  # no cache plugin
+            assert line["level"] == "info"
+            assert isinstance(line["ttft_ms"], float)
+            assert line["total_ms"] >= line["ttft_ms"]
             assert 0 < line["overhead_ms"] < line["total_ms"]
         text = gw.log_text()
     entries = [json.loads(line) for line in text.splitlines()]  # every line is one JSON object
@@ -100,11 +105,13 @@ plugins: [auth]
     assert f"config: {config_path}" in messages
     assert any(m.startswith("backend main (openai,") and m.endswith("up, 2 warm connection(s)") for m in messages)
     assert any(m.startswith("backend gone (vllm,") and "down: cannot connect" in m for m in messages)
-    assert "model chat -> main/chat, fallback spare" in messages and "plugins: auth" in messages
+    assert "model chat -> main/chat, fallback spare" in messages
+    assert "plugins: auth" in messages
     assert f"redis: 127.0.0.1:{redis_server.port}/0 reachable" in messages
     assert f"listening on http://127.0.0.1:{gw.port}" in messages
     assert any(e["logger"] == "uvicorn.error" and "Uvicorn running" in e["message"] for e in entries)
-    assert BACKEND_KEY not in text and CLIENT_KEY not in text
+    assert BACKEND_KEY not in text
+    assert CLIENT_KEY not in text
 
 
 def test_text_logs_have_time_level_and_logger(tmp_path: Path, upstream: ScriptedUpstream) -> None:
@@ -115,8 +122,11 @@ models: {{chat: {{backend: main}}}}
     with gateway_process(config, tmp_path, "--log-level", "info") as gw:
         text = wait_until(lambda: "Uvicorn running" in gw.log_text() and gw.log_text())
     first = text.splitlines()[0].split()
-    assert first[0].endswith("Z") and first[1] in {"INFO", "WARNING"} and first[2].endswith(":")
-    assert "sluice: listening on" in text and BACKEND_KEY not in text
+    assert first[0].endswith("Z")
+    assert first[1] in {"INFO", "WARNING"}
+    assert first[2].endswith(":")
+    assert "sluice: listening on" in text
+    assert BACKEND_KEY not in text
 
 
 def test_a_backend_down_at_start_is_reported_routed_around_and_retried(
@@ -136,14 +146,17 @@ models:
         ready = httpx.get(f"{gw.url}/readyz")  # ready: a backend that is down does not take the pod out
         assert ready.status_code == 200
         down = ready.json()["backends"]["main"]
-        assert down["state"] == "down" and "cannot connect" in down["last_error"] and down["last_error_at"]
+        assert down["state"] == "down"
+        assert "cannot connect" in down["last_error"]
+        assert down["last_error_at"]
         assert ready.json()["backends"]["spare"]["state"] == "up"
         assert metric(gw.url, "sluice_backend_up", 'backend="main"') == 0
         assert metric(gw.url, "sluice_backend_up", 'backend="spare"') == 1
 
         started = time.monotonic()
         served = httpx.post(f"{gw.base_url}/chat/completions", json={"model": "chat", "messages": MESSAGES})
-        assert served.status_code == 200 and served.headers["x-sluice-model"] == "backup"
+        assert served.status_code == 200
+        assert served.headers["x-sluice-model"] == "backup"
         assert served.headers["x-sluice-fallback"] == "error"
         assert time.monotonic() - started < 1.5  # the known-down primary was not waited on
 
@@ -169,7 +182,8 @@ models:
             assert served.status_code == 200
         wait_until(lambda: httpx.get(f"{gw.url}/status").json()["backends"]["main"]["state"] == "down")
         text = gw.log_text()
-    assert text.count("backend main is down") == 2 and text.count("backend main is up again") == 1
+    assert text.count("backend main is down") == 2
+    assert text.count("backend main is up again") == 1
 
 
 def test_sigterm_lets_short_streams_finish_and_ends_long_ones_cleanly(tmp_path: Path) -> None:
@@ -212,12 +226,15 @@ shutdown: {{grace_s: 3}}
                 thread.join(10)
             text = gw.log_text()
     assert 3 <= elapsed < 3 + 8.0
-    assert bodies[0].rstrip().endswith("data: [DONE]") and "error" not in bodies[0]
+    assert bodies[0].rstrip().endswith("data: [DONE]")
+    assert "error" not in bodies[0]
     for index in range(1, 9):
         events = [line for line in bodies[index].splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]", bodies[index][-300:]
         assert json.loads(events[-2][6:])["error"]["code"] == "gateway_shutdown"
-    assert "Traceback" not in text and "CancelledError" not in text and "Exception in ASGI" not in text
+    assert "Traceback" not in text
+    assert "CancelledError" not in text
+    assert "Exception in ASGI" not in text
     assert "shutdown: 8 request(s) still running after shutdown.grace_s (3 s) ended with an error event" in text
     assert "Cancel 8 running task(s)" not in text
 
@@ -239,7 +256,8 @@ models: {{chat: {{backend: main}}}}
             refused = httpx.post(f"{gw.base_url}/chat/completions", json=body)
             assert refused.status_code == 503
             error = refused.json()["error"]
-            assert error["code"] == "upstream_pool_exhausted" and "max_connections" in error["message"]
+            assert error["code"] == "upstream_pool_exhausted"
+            assert "max_connections" in error["message"]
             assert set(error) == {"message", "type", "param", "code"}
         assert metric(gw.url, "sluice_upstream_pool_exhausted_total", 'backend="main"') == 1
     assert any("connection pool exhausted" in record.getMessage() for record in caplog.records)

@@ -63,8 +63,10 @@ def test_credentials_model_mapping_and_headers(gateway: RunningGateway, upstream
     seen = upstream.requests[-1]
     assert seen.path == "/v1/chat/completions"
     assert seen.headers["authorization"] == "Bearer sk-backend-secret"  # the backend's key, not the client's
-    assert "sk-client-key" not in str(seen.headers) and "openai-organization" not in seen.headers
-    assert seen.json["model"] == "gpt-4o-mini" and seen.json["messages"] == MESSAGES
+    assert "sk-client-key" not in str(seen.headers)
+    assert "openai-organization" not in seen.headers
+    assert seen.json["model"] == "gpt-4o-mini"
+    assert seen.json["messages"] == MESSAGES
     assert seen.headers["x-request-id"] == "req-123"
     headers = raw.headers
     assert headers["x-request-id"] == "req-123"
@@ -72,7 +74,8 @@ def test_credentials_model_mapping_and_headers(gateway: RunningGateway, upstream
     assert float(headers["x-sluice-overhead-ms"]) >= 0
     stages = [part.split(";")[0] for part in headers["server-timing"].split(", ")]
     assert stages == ["parse", "pool", "upstream", "overhead"]
-    assert "sk-backend-secret" not in raw.http_response.text and "sk-backend-secret" not in str(headers)
+    assert "sk-backend-secret" not in raw.http_response.text
+    assert "sk-backend-secret" not in str(headers)
 
 
 def test_body_forwarded_byte_for_byte_when_nothing_changes(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
@@ -96,7 +99,8 @@ def test_sdk_streams_sync_and_async(gateway: RunningGateway) -> None:
             model="gpt", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
         )
     )
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     async def run() -> str:
@@ -160,10 +164,12 @@ models:
             seen = up.requests[-1]
             assert seen.path == "/openai/deployments/my-deployment/chat/completions"
             assert seen.query == {"api-version": "2024-10-21"}
-            assert seen.headers["api-key"] == "azure-secret" and "authorization" not in seen.headers
+            assert seen.headers["api-key"] == "azure-secret"
+            assert "authorization" not in seen.headers
             list(client(gw).chat.completions.create(model="chat1", messages=MESSAGES, stream=True))
             seen = up.requests[-1]
-            assert seen.path == "/openai/v1/chat/completions" and seen.json["model"] == "my-deployment"
+            assert seen.path == "/openai/v1/chat/completions"
+            assert seen.json["model"] == "my-deployment"
 
 
 def test_azure_preamble_does_not_count_as_first_token() -> None:
@@ -201,7 +207,8 @@ def test_upstream_errors_keep_their_status_in_openai_format(
         )
     )
     response = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": "gpt", "messages": MESSAGES})
-    assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "7"
     assert response.json() == {
         "error": {"message": "slow down", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
     }
@@ -225,7 +232,8 @@ def test_transport_failures_map_to_502_and_504(upstream: ScriptedUpstream) -> No
         started = time.monotonic()
         with pytest.raises(openai.InternalServerError) as caught:
             client(gw).chat.completions.create(model="gpt", messages=MESSAGES)
-        assert caught.value.status_code == 504 and time.monotonic() - started < 1.5
+        assert caught.value.status_code == 504
+        assert time.monotonic() - started < 1.5
         assert upstream.wait_disconnect(2.0)
         assert client(gw).chat.completions.create(model="gpt", messages=MESSAGES).choices  # still serving
 
@@ -253,7 +261,8 @@ def test_broken_streams_end_with_an_error_event(
     body = {"model": "gpt", "messages": MESSAGES, "stream": True}
     upstream.script(fault)  # type: ignore[arg-type]
     lines = [line for line in httpx.post(f"{gateway.base_url}/chat/completions", json=body).text.splitlines() if line]
-    assert lines[-1] == "data: [DONE]" and lines[-2].startswith('data: {"error":')
+    assert lines[-1] == "data: [DONE]"
+    assert lines[-2].startswith('data: {"error":')
     assert client(gateway).chat.completions.create(model="gpt", messages=MESSAGES).choices  # the gateway is fine
 
 

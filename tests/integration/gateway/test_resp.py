@@ -53,7 +53,8 @@ async def test_values_of_several_megabytes_go_both_ways_between_small_calls(redi
     try:
         assert await redis.call(("SET", "big", big)) == b"OK"
         replies = await asyncio.gather(*(redis.call(("GET", "big" if i % 4 == 0 else "small")) for i in range(16)))
-        assert all(r == big for r in replies[::4]) and all(r is None for i, r in enumerate(replies) if i % 4)
+        assert all(r == big for r in replies[::4])
+        assert all(r is None for i, r in enumerate(replies) if i % 4)
         assert await redis.pipeline([("STRLEN", "big"), ("GET", "big")]) == [len(big), big]
     finally:
         await redis.aclose()
@@ -67,9 +68,11 @@ async def test_an_error_reply_fails_only_its_own_call(redis_server: RedisServer)
             redis.call(("GET", "s")), redis.call(("HGET", "s", "f")), redis.call(("GET", "s")), return_exceptions=True
         )
         assert results[0] == results[2] == b"x"
-        assert isinstance(results[1], ReplyError) and str(results[1]).startswith("WRONGTYPE")
+        assert isinstance(results[1], ReplyError)
+        assert str(results[1]).startswith("WRONGTYPE")
         replies = await redis.pipeline([("INCR", "s"), ("GET", "s")])
-        assert isinstance(replies[0], ReplyError) and replies[1] == b"x"
+        assert isinstance(replies[0], ReplyError)
+        assert replies[1] == b"x"
         with pytest.raises(ReplyError, match="unknown command"):
             await redis.call(("NOSUCHCOMMAND",))
     finally:
@@ -119,7 +122,8 @@ async def test_a_restarted_server_fails_calls_fast_then_serves_again(redis_serve
         for _ in range(50):
             with contextlib.suppress(StoreUnavailable):
                 await store.execute("GET", "x")
-        assert time.monotonic() - started < 0.5 and store.down
+        assert time.monotonic() - started < 0.5
+        assert store.down
         redis_server.start()
         await wait_for(lambda: store.execute("PING"))
         assert await store.execute("GET", "x") is None  # a fresh server: no persistence
@@ -151,7 +155,8 @@ async def test_a_stopped_server_fails_calls_within_their_deadline_then_recovers(
             with pytest.raises(StoreUnavailable):
                 await store.execute("GET", "x")
             assert time.monotonic() - started < 1.0
-            assert not store.available and store.down
+            assert not store.available
+            assert store.down
             with pytest.raises(StoreUnavailable, match="circuit open"):
                 await store.execute("GET", "x")
         finally:

@@ -64,7 +64,8 @@ def test_the_sdk_gets_the_same_response_and_events_as_direct(
     via = httpx.post(f"{gateway.base_url}/responses", json=body, headers=auth, timeout=10)
     direct = httpx.post(f"{upstream.url}/v1/responses", json=body, timeout=10)
     assert via.status_code == direct.status_code == 200
-    assert via.headers["content-type"] == "text/event-stream" and via.headers["x-accel-buffering"] == "no"
+    assert via.headers["content-type"] == "text/event-stream"
+    assert via.headers["x-accel-buffering"] == "no"
     assert via.content == direct.content  # the events pass through byte for byte
 
     client = sdk(gateway)
@@ -76,7 +77,8 @@ def test_the_sdk_gets_the_same_response_and_events_as_direct(
         "response.content_part.added",
     ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[-1].type == "response.completed" and events[-1].response.usage is not None
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.usage is not None
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "tok0 tok1 tok2 tok3 tok4 tok5"
 
     whole = client.responses.create(model="gpt", input="What is a sluice?")
@@ -84,7 +86,8 @@ def test_the_sdk_gets_the_same_response_and_events_as_direct(
         model="gpt", input="What is a sluice?"
     )
     assert whole.model_dump() == direct_whole.model_dump()
-    assert whole.output_text == "tok0 tok1 tok2 tok3 tok4 tok5" and whole.usage is not None
+    assert whole.output_text == "tok0 tok1 tok2 tok3 tok4 tok5"
+    assert whole.usage is not None
     assert upstream.requests[-2].headers["authorization"] == "Bearer backend-key"  # the client's key stays here
 
 
@@ -140,20 +143,24 @@ def test_bad_paths_and_methods(gateway: RunningGateway) -> None:
     auth = {"authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{gateway.base_url}/responses/resp_1/nonsense", headers=auth).status_code == 404
     wrong = httpx.put(f"{gateway.base_url}/responses/resp_1", headers=auth)
-    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
+    assert wrong.status_code == 405
+    assert wrong.headers["allow"] == "GET, DELETE"
     assert httpx.get(f"{gateway.base_url}/responses", headers=auth).status_code == 405
     missing = httpx.post(f"{gateway.base_url}/responses", json={"model": "gpt"}, headers=auth)
-    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input"
+    assert missing.status_code == 400
+    assert missing.json()["error"]["param"] == "input"
     body = {"model": "gpt", "input": "x", "background": 1}
     bad = httpx.post(f"{gateway.base_url}/responses", json=body, headers=auth)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "background"
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "background"
 
 
 def test_a_chat_only_backend_is_never_used_for_responses(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
     client = sdk(gateway)
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model="old", input="hi")
-    assert "has no Responses API" in caught.value.message and len(upstream.requests) == 0
+    assert "has no Responses API" in caught.value.message
+    assert len(upstream.requests) == 0
     # The primary fails; its fallback is chat-only, so it is skipped rather than sent a translated request.
     upstream.script(Status(503))
     with pytest.raises(openai.InternalServerError):
@@ -162,7 +169,8 @@ def test_a_chat_only_backend_is_never_used_for_responses(gateway: RunningGateway
     # Chat completions still fall back to it.
     upstream.script(Status(503))
     chat = client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}])
-    assert chat.choices[0].message.content and upstream.requests[-1].json["model"] == "old"
+    assert chat.choices[0].message.content
+    assert upstream.requests[-1].json["model"] == "old"
 
 
 def test_a_deterministic_repeat_is_a_cache_hit_and_a_chain_is_its_own_key(
@@ -179,7 +187,8 @@ def test_a_deterministic_repeat_is_a_cache_hit_and_a_chain_is_its_own_key(
     assert again.headers["x-sluice-cache"] == "hit"
     assert again.parse().model_dump() == first.parse().model_dump()
     streamed = list(client.responses.create(model="gpt", input="cache me", temperature=0, stream=True))
-    assert streamed[-1].type == "response.completed" and streamed[-1].response.id == first.parse().id
+    assert streamed[-1].type == "response.completed"
+    assert streamed[-1].response.id == first.parse().id
     text = "".join(e.delta for e in streamed if e.type == "response.output_text.delta")
     assert text == first.parse().output_text
     assert len(responses_requests(upstream)) == 1
@@ -187,10 +196,12 @@ def test_a_deterministic_repeat_is_a_cache_hit_and_a_chain_is_its_own_key(
     chained = client.responses.with_raw_response.create(
         model="gpt", input="cache me", temperature=0, previous_response_id=first.parse().id
     )
-    assert chained.headers["x-sluice-cache"] == "miss" and len(responses_requests(upstream)) == 2
+    assert chained.headers["x-sluice-cache"] == "miss"
+    assert len(responses_requests(upstream)) == 2
     # So is `store`: an answer that cannot be retrieved later is not one that can.
     unstored = client.responses.with_raw_response.create(model="gpt", input="cache me", temperature=0, store=False)
-    assert unstored.headers["x-sluice-cache"] == "miss" and len(responses_requests(upstream)) == 3
+    assert unstored.headers["x-sluice-cache"] == "miss"
+    assert len(responses_requests(upstream)) == 3
     # A retrieval is never cached.
     got = client.responses.with_raw_response.retrieve(first.parse().id)
     assert got.headers["x-sluice-cache"] == "bypass"
@@ -238,9 +249,11 @@ def test_ttft_metric_and_span_for_a_responses_stream(
     assert metric(samples, "sluice_time_per_output_token_seconds_count", model="gpt") == 1
     assert metric(samples, "sluice_tokens_total", direction="output") == 6
     root = spans["POST /v1/responses"]
-    assert root.attributes["http.route"] == "/v1/responses" and root.attributes["sluice.ttft_ms"] >= 30.0
+    assert root.attributes["http.route"] == "/v1/responses"
+    assert root.attributes["sluice.ttft_ms"] >= 30.0
     client_span = spans["chat gpt"]
-    assert children(spans, client_span) == {"upstream", "stream"} and "pool" in spans
+    assert children(spans, client_span) == {"upstream", "stream"}
+    assert "pool" in spans
     ((event, _),) = spans["stream"].events
     assert event == "first_token"
     assert client_span.attributes["gen_ai.usage.output_tokens"] == 6
@@ -257,13 +270,17 @@ models:
     with gateway_thread(text) as gw:
         client = sdk(gw, "none")
         whole = client.responses.create(model="m", input="hello there", max_output_tokens=3)
-        assert whole.status == "incomplete" and len(whole.output_text.split()) == 3
-        assert whole.usage is not None and whole.usage.output_tokens == 3
+        assert whole.status == "incomplete"
+        assert len(whole.output_text.split()) == 3
+        assert whole.usage is not None
+        assert whole.usage.output_tokens == 3
         events = list(client.responses.create(model="m", input="hello there", stream=True))
         deltas = [e for e in events if e.type == "response.output_text.delta"]
-        assert len(deltas) == 5 and [e.sequence_number for e in events] == list(range(len(events)))
+        assert len(deltas) == 5
+        assert [e.sequence_number for e in events] == list(range(len(events)))
         done = events[-1]
-        assert done.type == "response.completed" and done.response.output_text == "".join(e.delta for e in deltas)
+        assert done.type == "response.completed"
+        assert done.response.output_text == "".join(e.delta for e in deltas)
         assert client.responses.retrieve(done.response.id).output_text == done.response.output_text
 
 
@@ -283,7 +300,8 @@ plugins: [auth, rate_limit]
         client = sdk(gw)
         upstream.script(Status(503))
         served = client.responses.with_raw_response.create(model="gpt", input="one two three", max_output_tokens=50)
-        assert served.headers["x-sluice-model"] == "local" and served.headers["x-sluice-fallback"] == "error"
+        assert served.headers["x-sluice-model"] == "local"
+        assert served.headers["x-sluice-fallback"] == "error"
         assert upstream.requests[-1].json["model"] == "served-local"
         # The reservation (body / 4 + max_output_tokens) is corrected to the usage's total_tokens: 3 + 6.
         after = client.responses.with_raw_response.create(model="gpt", input="x", max_output_tokens=1)

@@ -16,7 +16,8 @@ async def test_a_burst_is_pipelined_on_a_few_connections_instead_of_failing(redi
     try:
         results = await asyncio.gather(*(store.execute("SET", f"k{i}", "v") for i in range(64)), return_exceptions=True)
         assert not [r for r in results if isinstance(r, BaseException)]
-        assert store.failures == 0 and store.available
+        assert store.failures == 0
+        assert store.available
         clients = redis_server.client().client_list()
         assert len(clients) <= 3  # the store's two connections and this one
     finally:
@@ -33,7 +34,8 @@ async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server:
             with contextlib.suppress(StoreUnavailable):
                 await store.execute("GET", "x")
         assert time.monotonic() - started < 0.5  # one failed try, then the breaker answers at once
-        assert store.failures == 1 and not store.available
+        assert store.failures == 1
+        assert not store.available
         redis_server.start()
         await until(lambda: store.available, what="the breaker's cool-down")
         assert await store.execute("PING")

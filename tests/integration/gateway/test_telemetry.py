@@ -238,30 +238,38 @@ def test_a_cache_miss_is_one_trace_continued_by_the_upstream(
     spans = receiver.trace(trace_id, 8)
     assert {span.trace_id for span in receiver.spans} == {trace_id}  # one request, one trace
     root, client_span = spans[ROOT], spans["chat chat"]
-    assert root.parent == "" and root.kind == SPAN_KIND_SERVER
+    assert root.parent == ""
+    assert root.kind == SPAN_KIND_SERVER
     assert children(spans, root) == {"parse", "auth", "cache", "chat chat"}
     assert children(spans, client_span) == {"upstream", "stream"}
     assert children(spans, spans["upstream"]) == {"pool"}
-    assert spans["upstream"].start == spans["pool"].start and spans["pool"].end <= spans["upstream"].end
-    assert client_span.kind == SPAN_KIND_CLIENT and client_span.span_id == parent_id  # the upstream's parent
+    assert spans["upstream"].start == spans["pool"].start
+    assert spans["pool"].end <= spans["upstream"].end
+    assert client_span.kind == SPAN_KIND_CLIENT
+    assert client_span.span_id == parent_id  # the upstream's parent
 
     # The timings add up: every span inside the root, stages in order, the root no longer than the client saw.
     assert all(span.within(root) for span in spans.values())
     assert spans["parse"].end <= spans["auth"].start <= spans["auth"].end <= spans["cache"].start
-    assert spans["cache"].end <= spans["upstream"].start and spans["upstream"].end <= spans["stream"].start
+    assert spans["cache"].end <= spans["upstream"].start
+    assert spans["upstream"].end <= spans["stream"].start
     assert sum(spans[name].ms for name in ("parse", "auth", "cache", "upstream")) <= root.ms
-    assert spans["upstream"].ms >= 30.0 and client_span.end == root.end
+    assert spans["upstream"].ms >= 30.0
+    assert client_span.end == root.end
     assert root.ms <= elapsed_ms
     ((event, at),) = spans["stream"].events
-    assert event == "first_token" and spans["stream"].start <= at <= spans["stream"].end
+    assert event == "first_token"
+    assert spans["stream"].start <= at <= spans["stream"].end
 
     assert {key: root.attributes.get(key) for key in ("http.route", "http.response.status_code", "sluice.tenant")} == {
         "http.route": "/v1/chat/completions",
         "http.response.status_code": 200,
         "sluice.tenant": "acme",
     }
-    assert root.attributes["sluice.cache"] == "miss" and root.attributes["sluice.ttft_ms"] >= 30.0
-    assert root.attributes["sluice.overhead_ms"] > 0 and "sluice.fallback" not in root.attributes
+    assert root.attributes["sluice.cache"] == "miss"
+    assert root.attributes["sluice.ttft_ms"] >= 30.0
+    assert root.attributes["sluice.overhead_ms"] > 0
+    assert "sluice.fallback" not in root.attributes
     genai = {key: value for key, value in client_span.attributes.items() if key.startswith(("gen_ai.", "server."))}
     assert genai == {
         "gen_ai.operation.name": "chat",
@@ -303,8 +311,10 @@ def test_an_upstream_failure_and_a_fallback(
     spans = receiver.request("fail-1", 6)
     assert set(spans) == {ROOT, "parse", "auth", "cache", "chat solo", "upstream"}
     root, client_span = spans[ROOT], spans["chat solo"]
-    assert root.status == STATUS_ERROR and root.attributes["error.type"] == "503"
-    assert client_span.status == STATUS_ERROR and client_span.attributes["error.type"] == "503"
+    assert root.status == STATUS_ERROR
+    assert root.attributes["error.type"] == "503"
+    assert client_span.status == STATUS_ERROR
+    assert client_span.attributes["error.type"] == "503"
     assert "gen_ai.response.model" not in client_span.attributes
 
     upstream.script(Status(503))
@@ -362,7 +372,8 @@ def test_a_collector_that_is_down_costs_requests_nothing(
             what="a later export failing too",
         )
         failing = [r for r in caplog.records if r.getMessage().startswith("trace collector failing")]
-        assert len(failing) == 1 and failing[0].name == "sluice.tracing"  # once, not once per batch
+        assert len(failing) == 1  # once, not once per batch
+        assert failing[0].name == "sluice.tracing"
         stopping = time.perf_counter()
     assert time.perf_counter() - stopping < 5.0  # shutdown does not wait on the collector
 
@@ -375,7 +386,8 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def scrape(gw: RunningGateway) -> Samples:
     response = httpx.get(f"{gw.url}/metrics", timeout=10)
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(response.text)
@@ -458,7 +470,8 @@ def test_metrics_add_up_across_two_workers(tmp_path: Path) -> None:
                 assert set(pool.map(one, range(40))) == {200}  # a fresh connection each: both workers get some
                 sent += 40
                 time.sleep(0.1)  # not a wait for a condition: a pause between batches
-        assert len(per_worker()) == 2 and min(per_worker()) > 0  # both workers served and recorded
+        assert len(per_worker()) == 2
+        assert min(per_worker()) > 0  # both workers served and recorded
         for _ in range(6):  # whichever worker answers the scrape, it reports both
             found = scrape(gw)
             assert metric(found, "sluice_requests_total", status="200", model="m") == sent

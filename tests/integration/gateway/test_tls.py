@@ -49,15 +49,18 @@ async def test_https_upstream_with_a_private_ca(tmp_path: Path) -> None:
                 return httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=10)
 
         trusted = await asyncio.to_thread(through, f"{{ca_file: '{ca_file}'}}", True)
-        assert trusted.status_code == 200 and trusted.text.rstrip().endswith("data: [DONE]")
+        assert trusted.status_code == 200
+        assert trusted.text.rstrip().endswith("data: [DONE]")
         timing = trusted.headers["server-timing"]
         # The handshakes happened at warm-up: getting a connection costs (next to) nothing.
         pool_ms = float(timing.split("pool;dur=")[1].split(",")[0])
         assert pool_ms < 5.0, timing
         unchecked = await asyncio.to_thread(through, "{verify: false}", False)
-        assert unchecked.status_code == 200 and unchecked.json()["choices"]
+        assert unchecked.status_code == 200
+        assert unchecked.json()["choices"]
         untrusted = await asyncio.to_thread(through, "{}", False, False)  # the system CAs do not know ours
-        assert untrusted.status_code == 502 and untrusted.json()["error"]["code"] == "connect_error"
+        assert untrusted.status_code == 502
+        assert untrusted.json()["error"]["code"] == "connect_error"
     finally:
         server.close()
         await server.wait_closed()
@@ -117,7 +120,8 @@ models: {{m: {{backend: h2}}}}
             body = {"model": "m", "messages": MESSAGES, "stream": True}
             answer = httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=10)
             assert answer.status_code == 200, answer.text
-            assert "over http/2" in answer.text and answer.text.rstrip().endswith("data: [DONE]")
+            assert "over http/2" in answer.text
+            assert answer.text.rstrip().endswith("data: [DONE]")
     finally:
         loop.call_soon_threadsafe(stop.set)
         server.join(10)

@@ -56,7 +56,8 @@ def test_a_200_that_is_not_json_fails_over_and_is_never_cached(
 ) -> None:
     primary.script(Status(200, body))
     served = post(gateway, "chat", "over")
-    assert served.status_code == 200 and served.headers["x-sluice-model"] == "spare"
+    assert served.status_code == 200
+    assert served.headers["x-sluice-model"] == "spare"
     assert served.headers["x-sluice-fallback"] == "error"
 
     primary.script(Status(200, body))
@@ -64,7 +65,8 @@ def test_a_200_that_is_not_json_fails_over_and_is_never_cached(
     assert alone.status_code == 502
     assert alone.json()["error"]["code"] == "upstream_invalid_body"
     again = post(gateway, "alone", "not cached")  # the bad answer was not stored: this one goes upstream
-    assert again.status_code == 200 and again.headers["x-sluice-cache"] == "miss"
+    assert again.status_code == 200
+    assert again.headers["x-sluice-cache"] == "miss"
     assert again.json()["choices"][0]["message"]["content"]
 
 
@@ -72,7 +74,8 @@ def test_json_with_leading_whitespace_is_accepted(gateway: RunningGateway, prima
     whole = b'\n  {"id":"x","object":"chat.completion","created":0,"model":"m","choices":[]}\r\n'
     primary.script(Status(200, whole))
     response = post(gateway, "alone", "spaced")
-    assert response.status_code == 200 and response.content == whole
+    assert response.status_code == 200
+    assert response.content == whole
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -84,7 +87,8 @@ def test_a_refused_backend_key_is_a_502_not_the_clients_fault(
     response = post(gateway, "alone", f"refused {status}")
     assert response.status_code == 502
     error = response.json()["error"]
-    assert error["code"] == "upstream_auth_failed" and "'main'" in error["message"]
+    assert error["code"] == "upstream_auth_failed"
+    assert "'main'" in error["message"]
     assert "sk-" not in response.text
     primary.script(Status(status, refusal))
     assert post(gateway, "chat", f"over {status}").headers["x-sluice-model"] == "spare"  # another backend may serve

@@ -91,13 +91,16 @@ def test_streams_report_usage_whether_the_client_asked_or_not(
     assert all(c.choices for c in plain)  # no usage-only chunk
     asked = stream(gw.base_url, model, True, f"{model}-asked")
     with_usage = [c for c in asked if c.usage is not None]
-    assert len(with_usage) == 1 and asked[-1] is with_usage[0] and asked[-1].choices == []
+    assert len(with_usage) == 1
+    assert asked[-1] is with_usage[0]
+    assert asked[-1].choices == []
     assert with_usage[0].usage.completion_tokens == TOKENS
     assert content(plain) == content(asked[:-1])
     if direct_url is not None:
         # The same stream as straight from the upstream, asked the same way.
         direct = stream(direct_url, model, None, "direct")
-        assert content(direct) == content(plain) and len(direct) == len(plain)
+        assert content(direct) == content(plain)
+        assert len(direct) == len(plain)
         assert [c.usage for c in direct] == [c.usage for c in plain]
     if model == "scripted":
         sent = [r.json for r in up.requests if r.path.endswith("/chat/completions")]

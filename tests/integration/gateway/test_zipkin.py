@@ -112,20 +112,24 @@ def test_a_request_is_one_zipkin_trace_with_the_otlp_spans(
     assert set(spans) == {ROOT, "parse", "auth", "cache", "chat chat", "upstream", "pool", "stream"}
 
     root, client_span = spans[ROOT], spans["chat chat"]
-    assert "parentId" not in root and root["kind"] == "SERVER" and flags == "01"
+    assert "parentId" not in root
+    assert root["kind"] == "SERVER"
+    assert flags == "01"
     assert client_span["id"] == parent_id  # the upstream continues the trace under the inference span
     assert root["localEndpoint"]["serviceName"] == "sluice-it"
     for span in spans.values():  # microseconds, every span inside the root
         assert root["timestamp"] <= span["timestamp"]
         assert span["timestamp"] + span["duration"] <= root["timestamp"] + root["duration"] + 1
     assert spans["upstream"]["duration"] >= 30_000
-    assert root["tags"]["sluice.tenant"] == "acme" and root["tags"]["http.response.status_code"] == "200"
+    assert root["tags"]["sluice.tenant"] == "acme"
+    assert root["tags"]["http.response.status_code"] == "200"
     assert client_span["tags"]["gen_ai.request.model"] == "chat"
     assert client_span["tags"]["gen_ai.usage.output_tokens"] == "6"
     ((annotation),) = spans["stream"]["annotations"]
     # The exporter writes an event as a JSON annotation: {name: attributes}.
     ((event, attributes),) = json.loads(annotation["value"]).items()
-    assert event == "first_token" and attributes["sluice.ttft_ms"] >= 30.0
+    assert event == "first_token"
+    assert attributes["sluice.ttft_ms"] >= 30.0
     assert spans["stream"]["timestamp"] <= annotation["timestamp"] <= root["timestamp"] + root["duration"]
 
 

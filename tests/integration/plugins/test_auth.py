@@ -108,7 +108,8 @@ def test_revocation_reaches_another_process_within_a_second(redis_server: RedisS
         gateway_process(config(redis_server.url), tmp_path) as one,
         gateway_process(config(redis_server.url), tmp_path) as two,
     ):
-        assert chat(one.base_url, key) and chat(two.base_url, key)  # both have it cached now
+        assert chat(one.base_url, key)
+        assert chat(two.base_url, key)  # both have it cached now
         revoke(redis_server.url, hexdigest)
 
         def refused(url: str) -> bool:

@@ -78,11 +78,14 @@ def test_second_identical_request_is_a_hit_in_either_form(
     gateway: RunningGateway, upstream: ScriptedUpstream, fill: bool, replay: bool
 ) -> None:
     content, state, finish = ask(gateway, fill)
-    assert state == "miss" and content and finish == "stop"
+    assert state == "miss"
+    assert content
+    assert finish == "stop"
     gateway.settle()  # the entry is written after the response ends
     again, state, again_finish = ask(gateway, replay)
     assert state == "hit"
-    assert again == content and again_finish == finish
+    assert again == content
+    assert again_finish == finish
     assert calls(upstream) == 1
 
 
@@ -98,7 +101,9 @@ def test_replayed_stream_carries_usage_when_asked(
             model="chat", messages=MESSAGES, temperature=0, stream=True, stream_options={"include_usage": True}
         )
     )
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6
     assert calls(upstream) == 1
 
 
@@ -163,7 +168,8 @@ def test_broken_stream_is_never_stored(gateway: RunningGateway, upstream: Script
         ask(gateway, True)
     gateway.settle()
     _, state, finish = ask(gateway, True)
-    assert state == "miss" and finish == "stop"
+    assert state == "miss"
+    assert finish == "stop"
     assert calls(upstream) == 2
 
 
@@ -214,7 +220,8 @@ def test_redis_l2_shared_between_gateways_and_faults(upstream: ScriptedUpstream,
         started = time.monotonic()
         for i in range(20):
             _, state, finish = ask(two, i % 2 == 0, messages=[{"role": "user", "content": f"down {i}"}])
-            assert finish == "stop" and state == "miss"
+            assert finish == "stop"
+            assert state == "miss"
         assert time.monotonic() - started < 10
         redis_server.start()
         wait_until(lambda: one.store_available() and two.store_available(), what="the breakers' cool-down")
@@ -250,8 +257,10 @@ def test_a_miss_reads_redis_once_and_the_entry_is_stored_as_sent(
     for record in records:
         header, _, answer = record.partition(b"\n")
         endpoint, served, fresh_until = orjson.loads(header)
-        assert (endpoint, served) == ("chat/completions", "chat") and fresh_until > time.time()
+        assert (endpoint, served) == ("chat/completions", "chat")
+        assert fresh_until > time.time()
         stored = orjson.loads(answer)
-        assert stored["choices"][0]["finish_reason"] == "stop" and stored["usage"]["completion_tokens"] == 6
+        assert stored["choices"][0]["finish_reason"] == "stop"
+        assert stored["usage"]["completion_tokens"] == 6
         answers.append(answer)
     assert first.content in answers  # a whole answer is stored byte for byte as the client got it

@@ -22,6 +22,7 @@ from gateway.store import Store
 from plugins.rate_limit import PERIOD_MS, SCRIPT, Leases, build_plans
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
+from tests.support.wait import until
 
 KEY = "sk-sluice-acme-test-key"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -202,14 +203,22 @@ async def test_lease_script_settles_then_grants(redis_server: RedisServer) -> No
     try:
         # (limit, settle, want, need) -> (granted, ms until full, ms until need fits)
         first = await sync((5, 0, 3, 1), (1000, 0, 400, 400))
-        assert first[0] == 3 and near(first[1], 36_000) and first[2] == 0
-        assert first[3] == 400 and near(first[4], 24_000) and first[5] == 0
+        assert first[0] == 3
+        assert near(first[1], 36_000)
+        assert first[2] == 0
+        assert first[3] == 400
+        assert near(first[4], 24_000)
+        assert first[5] == 0
         # 2 requests left: a top-up takes what there is; a need of 3 takes nothing and says how long to wait.
         refused = await sync((5, 0, 5, 3), (1000, -300, 0, 0))
-        assert refused[0] == 0 and near(refused[1], 36_000) and near(refused[2], 12_000)
-        assert refused[3] == 0 and near(refused[4], 6_000)  # 300 tokens given back
+        assert refused[0] == 0
+        assert near(refused[1], 36_000)
+        assert near(refused[2], 12_000)
+        assert refused[3] == 0
+        assert near(refused[4], 6_000)  # 300 tokens given back
         topped = await sync((5, 0, 5, 0))
-        assert topped[0] == 2 and near(topped[1], 60_000)
+        assert topped[0] == 2
+        assert near(topped[1], 60_000)
         # Giving back more than was taken never fills a bucket beyond its capacity: the key goes.
         back = await sync((5, -50, 0, 0), (1000, -5000, 0, 0))
         assert back == [0, 0, 0, 0, 0, 0]
@@ -218,7 +227,9 @@ async def test_lease_script_settles_then_grants(redis_server: RedisServer) -> No
             assert client.script_exists(SCRIPT.sha) == [True]
         # A correction beyond the limit is owed: the level goes below zero and nothing is granted.
         debt = await sync((5, 0, 0, 0), (1000, 1500, 10, 1))
-        assert debt[3] == 0 and near(debt[4], 90_000) and near(debt[5], 30_060)  # 501 tokens to refill
+        assert debt[3] == 0
+        assert near(debt[4], 90_000)
+        assert near(debt[5], 30_060)  # 501 tokens to refill
         with redis_server.client() as client:
             assert 89_000 < client.pttl(keys[1]) <= 90_000
     finally:
@@ -366,7 +377,7 @@ async def test_token_corrections_reach_the_shared_bucket_with_the_next_sync(redi
             if used - refilled - 2 <= charged <= used + most_held(limit, 1):
                 break
             assert time.monotonic() < deadline, (charged, used)
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
 
 
 async def test_many_requests_per_sync(redis_server: RedisServer) -> None:
@@ -395,10 +406,8 @@ async def test_leases_are_given_back_at_shutdown(redis_server: RedisServer) -> N
     with gateway_thread(yaml) as gw:
         started = time.monotonic()
         assert await hammer([gw], 100) == [{200: 100}]
-        deadline = time.monotonic() + 2
-        while charged() < 100 + 5:  # a busy process holds part of its next 200 ms (the last renewal may be on its way)
-            assert time.monotonic() < deadline, charged()
-            time.sleep(0.01)
+        # A busy process holds part of its next 200 ms (the last renewal may be on its way).
+        await until(lambda: charged() >= 100 + 5, timeout=2, what="the leases charged to Redis")
     refilled = limit * (time.monotonic() - started) / 60
     assert 100 - refilled - 1 <= charged() <= 100 + 1  # given back at once, not when it would have lapsed
 
@@ -428,7 +437,8 @@ async def test_a_late_sync_admits_on_credit_and_the_next_one_charges_it(redis_se
             client.execute_command("CLIENT", "PAUSE", 150, "ALL")  # Redis answers nobody for 150 ms
         asked = time.monotonic()
         verdict = await leases.admit(route, [1])
-        assert verdict[0] == 1 and leases.credits == 1
+        assert verdict[0] == 1
+        assert leases.credits == 1
         assert 0.015 < time.monotonic() - asked < 0.12  # waited for the sync, as long as `wait_ms`
         assert lease.settle == 1  # owed to the shared bucket
         syncs = leases.syncs

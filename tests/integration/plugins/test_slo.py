@@ -98,7 +98,8 @@ def test_first_token_deadline_moves_on_before_any_byte(large: ScriptedUpstream, 
     large.default = Stall()
     with gateway_thread(config(large, small, ", first_token_deadline_ms: 500")) as gw:
         ttft, served, reason, _ = stream(gw)
-        assert served == "chat-small" and reason == "deadline"
+        assert served == "chat-small"
+        assert reason == "deadline"
         assert 0.5 <= ttft < 0.75  # deadline + the fallback's 50 ms
         assert large.wait_disconnect(2.0)  # the stalled primary's request was closed
 
@@ -108,7 +109,8 @@ def test_role_chunk_alone_does_not_beat_the_deadline(large: ScriptedUpstream, sm
     large.default = Ok(ttft_ms=2000, tpot_ms=5, tokens=4, headers_ms=0)
     with gateway_thread(config(large, small, ", first_token_deadline_ms: 400")) as gw:
         ttft, served, reason, _ = stream(gw)
-        assert (served, reason) == ("chat-small", "deadline") and ttft < 0.7
+        assert (served, reason) == ("chat-small", "deadline")
+        assert ttft < 0.7
 
 
 def test_503_fails_over_once_and_400_not_at_all(large: ScriptedUpstream, small: ScriptedUpstream) -> None:
@@ -116,7 +118,8 @@ def test_503_fails_over_once_and_400_not_at_all(large: ScriptedUpstream, small: 
         large.script(Status(503))
         client = openai.OpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(model="chat-large", messages=MESSAGES)
-        assert raw.headers["x-sluice-model"] == "chat-small" and raw.headers["x-sluice-fallback"] == "error"
+        assert raw.headers["x-sluice-model"] == "chat-small"
+        assert raw.headers["x-sluice-fallback"] == "error"
         assert (len(large.requests), len(small.requests)) == (1, 1)
 
         filtered = {"error": {"message": "filtered", "type": None, "param": "prompt", "code": "content_filter"}}
@@ -133,12 +136,14 @@ def test_retry_budget_honours_retry_after(large: ScriptedUpstream, small: Script
         small.script(Status(503, headers={"retry-after": "0.3"}))
         started = time.perf_counter()
         _, served, _, _ = stream(gw)
-        assert served == "chat-large" and time.perf_counter() - started >= 0.3
+        assert served == "chat-large"
+        assert time.perf_counter() - started >= 0.3
         assert (len(large.requests), len(small.requests)) == (2, 1)
         large.script(Status(429, headers={"retry-after": "30"}))  # too long to wait for: the client decides
         small.script(Status(429, headers={"retry-after": "30"}))
         response = httpx.post(f"{gw.base_url}/chat/completions", json={"model": "chat-large", "messages": MESSAGES})
-        assert response.status_code == 429 and response.headers["retry-after"] == "30"
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "30"
 
 
 def test_hedging_races_the_fallback_and_closes_the_loser(large: ScriptedUpstream, small: ScriptedUpstream) -> None:
@@ -160,7 +165,9 @@ def test_a_primary_faster_than_the_hedge_delay_streams_to_the_end(
     with gateway_thread(config(large, small, ", hedge_after_ms: 300, max_hedge_ratio: 1.0")) as gw:
         _, served, reason, text = stream(gw)
         assert (served, reason) == ("chat-large", None)
-        assert "error" not in text and text.count("content") >= 8 and len(small.requests) == 0
+        assert "error" not in text
+        assert text.count("content") >= 8
+        assert len(small.requests) == 0
 
 
 def test_every_target_down_serves_a_stale_answer(large: ScriptedUpstream, small: ScriptedUpstream) -> None:

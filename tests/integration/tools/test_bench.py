@@ -43,7 +43,8 @@ def measured(difference: Difference) -> bool:
 def test_every_request_succeeded_and_went_where_it_should(report: bench.Report) -> None:
     assert report.errors == 0
     core = report.core
-    assert core is not None and core.through_requests > 0
+    assert core is not None
+    assert core.through_requests > 0
     # Each through-gateway answer carried the gateway's own header; no direct answer did.
     assert core.through_with_overhead == core.through_requests
     assert core.direct_with_overhead == 0
@@ -58,12 +59,14 @@ def test_core_figures_are_complete(report: bench.Report) -> None:
     for gap in core.gaps:
         assert gap.count > 0
         assert all(positive(v) for v in (gap.direct_mean, gap.through_mean, gap.direct_p99, gap.through_p99))
-        assert math.isfinite(gap.added_mean) and math.isfinite(gap.added_p99)
+        assert math.isfinite(gap.added_mean)
+        assert math.isfinite(gap.added_p99)
     assert [row.mode for row in core.maxima] == ["non-stream", "stream"]
     for row in core.maxima:
         for value in (row.direct_rps, row.through_rps, row.gateway_cpu_percent, row.cpu_ms_per_request):
             assert positive(value)
-        assert math.isfinite(row.core_busy_percent) and math.isfinite(row.harness_cpu_percent)
+        assert math.isfinite(row.core_busy_percent)
+        assert math.isfinite(row.harness_cpu_percent)
         assert row.limited_by
     assert positive(report.peak_rss_mb)
 
@@ -74,12 +77,15 @@ def test_tenants_went_through_auth_and_the_redis_limiter(report: bench.Report) -
     assert {key[0] for key in t.rows} == {"core", "auth", "tenants"}
     assert all(complete_row(row) for row in t.rows.values())
     assert all(measured(d) for d in (t.auth_cost, t.auth_own, t.limiter_cost, t.limiter_own))
-    assert complete(t.auth_stage) and complete(t.limiter_stage)
+    assert complete(t.auth_stage)
+    assert complete(t.limiter_stage)
     assert set(t.maxima) == {"core", "auth", "tenants"}
     assert all(positive(m.through_rps) and positive(m.cpu_ms_per_request) for m in t.maxima.values())
-    assert set(t.hot_stages) == {"auth", "rate_limit"} and all(complete(d) for d in t.hot_stages.values())
+    assert set(t.hot_stages) == {"auth", "rate_limit"}
+    assert all(complete(d) for d in t.hot_stages.values())
     # Every response of each gateway named the stages its plugins ran, and Redis never failed.
-    assert t.requests["auth"] > 0 and t.named[("auth", "auth")] == t.requests["auth"]
+    assert t.requests["auth"] > 0
+    assert t.named[("auth", "auth")] == t.requests["auth"]
     assert t.named[("auth", "rate_limit")] == 0
     assert t.named[("tenants", "auth")] == t.named[("tenants", "rate_limit")] == t.requests["tenants"] > 0
     assert t.redis_failures == 0
@@ -95,11 +101,13 @@ def test_cache_hits_came_from_l1_and_redis_and_misses_went_upstream(report: benc
         ("Redis", "non-stream"),
     ]
     for hit in c.hits:
-        assert complete_row(hit.row) and complete(hit.stage)
+        assert complete_row(hit.row)
+        assert complete(hit.stage)
         assert hit.hits == hit.requests > 0  # every answer said `x-sluice-cache: hit`
     for miss in c.misses:
         assert all(complete(d) for d in (miss.core, miss.auth, miss.cache, miss.stage))
-        assert measured(miss.vs_core) and measured(miss.vs_auth)
+        assert measured(miss.vs_core)
+        assert measured(miss.vs_auth)
         assert miss.misses == miss.requests > 0
     assert complete(c.floor)
     assert c.redis_failures == 0
@@ -112,11 +120,13 @@ def test_tracing_exported_spans_at_each_ratio(report: bench.Report) -> None:
     assert (off.ratio, full.ratio, tenth.ratio) == ("off", "1.0", "0.1")
     for v in t.variants:
         assert complete_row(v.ttft)
-        assert positive(v.maximum.through_rps) and positive(v.maximum.cpu_ms_per_request)
+        assert positive(v.maximum.through_rps)
+        assert positive(v.maximum.cpu_ms_per_request)
         assert v.served > 0
     assert all(measured(d) for d in (full.vs_off, tenth.vs_off, full.own_vs_off, tenth.own_vs_off))
     # Every request of the 1.0 gateway reached its sink as several spans; a tenth of them at 0.1.
-    assert full.spans >= 3 * full.served and full.dropped == 0
+    assert full.spans >= 3 * full.served
+    assert full.dropped == 0
     assert 0 < tenth.spans / tenth.served < full.spans / full.served
 
 
@@ -127,19 +137,22 @@ def test_full_ran_every_stage_and_every_request_missed(report: bench.Report) -> 
     assert all(complete_row(row) for row in f.ttft.values())
     assert set(f.maxima) == {"core", "full"}
     assert all(positive(m.through_rps) and positive(m.cpu_ms_per_request) for m in f.maxima.values())
-    assert positive(f.share) and math.isfinite(f.p99_over_bare)
+    assert positive(f.share)
+    assert math.isfinite(f.p99_over_bare)
     # Unique prompts: every answer of the full gateway was a cache miss, in the cells and in the fill.
     assert f.misses == f.responses > 0
     assert f.stages == dict.fromkeys(("auth", "rate_limit", "cache", "slo"), f.responses)
     assert f.fill_misses == f.filled == bench.SMOKE.fill_prompts
-    assert positive(f.rss_mb) and f.spans > 0
+    assert positive(f.rss_mb)
+    assert f.spans > 0
 
 
 def test_targets_are_judged(report: bench.Report) -> None:
     scenarios = [check.scenario for check in report.checks]
     assert scenarios == ["core"] * 5 + ["tenants"] + ["cache"] * 4 + ["full"] * 7
     figures = [check.figure for check in report.checks]
-    assert any("@50 req/s" in f for f in figures) and any("@200 req/s" in f for f in figures)
+    assert any("@50 req/s" in f for f in figures)
+    assert any("@200 req/s" in f for f in figures)
     assert all(math.isfinite(check.value) for check in report.checks)
     assert [p.name for p in report.phases] == list(bench.SCENARIOS)
     assert all(math.isfinite(p.others_percent) and min(p.tcp) >= 0 for p in report.phases)
@@ -166,7 +179,8 @@ def test_markdown_has_every_section(report: bench.Report, tmp_path: Path, monkey
         "x-sluice-overhead-ms",
     ):
         assert part in text
-    assert " nan" not in text and "n/a" not in text
+    assert " nan" not in text
+    assert "n/a" not in text
     # main() prints the report and writes it where --write says.
     monkeypatch.setattr(bench, "run", lambda options: report)
     path = tmp_path / "report.md"
@@ -178,10 +192,14 @@ def test_arguments_pick_a_preset_and_scenarios() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     quick = bench.options_from_args(parser.parse_args(["--quick", "--no-pin", "--write", "out.md"]))
-    assert quick.preset == "quick" and not quick.pin and quick.write == "out.md"
+    assert quick.preset == "quick"
+    assert not quick.pin
+    assert quick.write == "out.md"
     assert quick.scenarios == ("core",)
     full = bench.options_from_args(parser.parse_args(["--rounds", "5", "--scenario", "tracing,tenants"]))
-    assert full.preset == "default" and full.rounds == 5 and full.pin
+    assert full.preset == "default"
+    assert full.rounds == 5
+    assert full.pin
     assert full.scenarios == ("tenants", "tracing")  # always run in the same order
     assert bench.options_from_args(parser.parse_args(["--scenario", "all"])).scenarios == bench.SCENARIOS
     with pytest.raises(SystemExit):

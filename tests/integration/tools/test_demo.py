@@ -89,7 +89,8 @@ def test_the_slo_degrades_then_recovers(output: Output) -> None:
     assert "healthy" in states[first + 1 :], output.text
     # Degraded only because of the overload: every line of the warm phase is healthy and served by chat-large.
     warm = [row for row in output.rows if row.phase == "warm"]
-    assert warm and all(row.state == "healthy" and row.small == 0 for row in warm), output.text
+    assert warm, output.text
+    assert all(row.state == "healthy" and row.small == 0 for row in warm), output.text
     assert sum(row.large for row in warm) > 0
 
 
@@ -99,7 +100,10 @@ def test_the_fallback_serves_while_the_primary_is_overloaded(output: Output) -> 
     assert any(row.fallback.startswith("slo") for row in overloaded), output.text
     # Once healthy again, chat-large serves and nothing falls back.
     last = output.rows[-1]
-    assert last.state == "healthy" and last.large > 0 and last.small == 0 and last.fallback == "-", output.text
+    assert last.state == "healthy", output.text
+    assert last.large > 0, output.text
+    assert last.small == 0, output.text
+    assert last.fallback == "-", output.text
 
 
 def test_the_cache_answers_the_repeated_prompts(output: Output) -> None:

@@ -58,7 +58,9 @@ def codes(doc: dict[str, Any]) -> set[str]:
 def finding(doc: dict[str, Any], code: str) -> dict[str, Any]:
     found: dict[str, Any] = next(f for f in doc["findings"] if f["code"] == code)
     assert set(found) == FINDING_KEYS
-    assert found["cause"] and found["advice"] and found["evidence"]
+    assert found["cause"]
+    assert found["advice"]
+    assert found["evidence"]
     return found
 
 
@@ -146,21 +148,26 @@ def check_samples(doc: dict[str, Any], probes: int, samples: int, targets: int =
     assert len(rows) == targets * (1 + 2 * probes + 4 * probes * samples)
     for row in rows:
         assert set(row) == SAMPLE_KEYS
-        assert row["error"] is None and row["status"] == 200
+        assert row["error"] is None
+        assert row["status"] == 200
         assert row["tokens"] > 0
         assert row["tls_ms"] is None  # plain http
         assert 0 <= row["sent_ms"] <= row["ttfb_ms"] <= row["total_ms"]
         if row["connection"] == "fresh":
             assert 0 <= row["dns_ms"] <= row["connect_ms"] <= row["sent_ms"]
         else:
-            assert row["dns_ms"] is None and row["connect_ms"] is None
+            assert row["dns_ms"] is None
+            assert row["connect_ms"] is None
         if row["stream"]:
             assert row["ttfb_ms"] <= row["ttft_ms"] <= row["total_ms"]
             assert len(row["gaps_ms"]) == row["tokens"] - 1
         else:
-            assert row["ttft_ms"] is None and row["tpot_ms"] is None and row["gaps_ms"] == []
+            assert row["ttft_ms"] is None
+            assert row["tpot_ms"] is None
+            assert row["gaps_ms"] == []
     roles = [row["role"] for row in rows]
-    assert roles.count("cold") == targets and roles[0] == "cold"
+    assert roles.count("cold") == targets
+    assert roles[0] == "cold"
     assert roles.count("warmup") == targets * 2 * probes
 
 
@@ -170,7 +177,9 @@ def test_a_healthy_endpoint_has_no_finding(tmp_path: Path) -> None:
     assert code == 0, out
     assert doc["findings"] == [], doc["findings"]
     assert "no problem found" in out
-    assert doc["format"] == 1 and doc["ok"] is True and doc["failure"] is None
+    assert doc["format"] == 1
+    assert doc["ok"] is True
+    assert doc["failure"] is None
     assert doc["options"] == {
         "url": url, "via": None, "model": None, "via_model": None, "samples": 2, "timeout_s": 10.0,
         "probes": ["minimal", "medium", "long"],
@@ -178,24 +187,29 @@ def test_a_healthy_endpoint_has_no_finding(tmp_path: Path) -> None:
     assert doc["comparison"] is None
     check_samples(doc, probes=3, samples=2)
     (target,) = doc["targets"]
-    assert target["name"] == "direct" and target["model"] == "sim" and target["errors"] == 0
+    assert target["name"] == "direct"
+    assert target["model"] == "sim"
+    assert target["errors"] == 0
     # Every reuse after the first warm-up opened the kept connection: 5 warm-ups and 12 samples.
     assert target["keepalive"] == {"planned": 5 + 12, "lost": 0}
     assert len(target["cells"]) == 12
     for cell in target["cells"]:
-        assert cell["count"] == 2 and cell["errors"] == 0
+        assert cell["count"] == 2
+        assert cell["errors"] == 0
         assert set(cell["phases"]["total_ms"]) == {"p50", "p90", "max", "n"}
         total = cell["phases"]["total_ms"]
         assert total["p50"] <= total["p90"] <= total["max"]
         assert ("ttft_ms" in cell["phases"]) == cell["stream"]
     long_stream = next(c for c in target["cells"] if c["probe"] == "long" and c["stream"])
     assert long_stream["tokens_p50"] == 12
-    assert target["cold"]["role"] == "cold" and target["cold"]["connection"] == "fresh"
+    assert target["cold"]["role"] == "cold"
+    assert target["cold"]["connection"] == "fresh"
     # The simulated model's own time to first token is what dominates, and the report says so.
     assert dominant(doc) == "first_token"
     assert target["floor"]["components"]["first_token"] == pytest.approx(62, abs=15)
     assert target["gateway"] is None  # sluice sim is no gateway: no server-timing
-    assert "dominant: first_token" in out and "p90" in out
+    assert "dominant: first_token" in out
+    assert "p90" in out
 
 
 def test_queueing_before_the_head(tmp_path: Path) -> None:
@@ -204,7 +218,8 @@ def test_queueing_before_the_head(tmp_path: Path) -> None:
     assert code == 0, out
     assert codes(doc) == {"queueing"}
     found = finding(doc, "queueing")
-    assert found["stage"] == "head" and found["target"] == "direct"
+    assert found["stage"] == "head"
+    assert found["target"] == "direct"
     assert found["evidence"]["head_wait_ms"] >= 290
     assert dominant(doc) == "head"
     assert doc["targets"][0]["model"] == "scripted"  # from GET /models
@@ -220,7 +235,8 @@ def test_a_buffered_stream(tmp_path: Path) -> None:
     assert found["stage"] == "first_token"
     evidence = found["evidence"]
     assert evidence["ttft_p50_ms"] >= 0.9 * evidence["total_p50_ms"] >= 180
-    assert evidence["ttfb_p50_ms"] < 20 and evidence["tokens_p50"] == 12
+    assert evidence["ttfb_p50_ms"] < 20
+    assert evidence["tokens_p50"] == 12
     assert dominant(doc) == "first_token"
 
 
@@ -231,7 +247,8 @@ def test_a_cold_start(tmp_path: Path) -> None:
     assert code == 0, out
     assert codes(doc) == {"cold_start"}
     evidence = finding(doc, "cold_start")["evidence"]
-    assert evidence["cold_ms"] >= 800 and evidence["warm_p50_ms"] < 100
+    assert evidence["cold_ms"] >= 800
+    assert evidence["warm_p50_ms"] < 100
     assert dominant(doc) == "cold_start"
     assert doc["targets"][0]["cold"]["ttft_ms"] >= 800
     assert up.requests[0].json["model"] == "m"  # --model: no GET /models before the cold request
@@ -271,7 +288,8 @@ models:
     through = [s for s in doc["samples"] if s["target"] == "via"]
     assert all(s["overhead_ms"] is not None and "upstream" in s["server_timing"] for s in through)
     gateway = via["gateway"]
-    assert gateway["overhead_ms_p50"] is not None and gateway["server_timing_p50"]["upstream"] > 0
+    assert gateway["overhead_ms_p50"] is not None
+    assert gateway["server_timing_p50"]["upstream"] > 0
     assert abs(gateway["outside_ms"]) < 25  # the gateway's account and the client's agree
     comparison = doc["comparison"]
     assert len(comparison["cells"]) == 12
@@ -283,7 +301,8 @@ models:
     )
     assert comparison["ttft_overhead_ms"] == headline["delta_ms"]["ttft_ms"]
     assert comparison["reported_overhead_ms"] == gateway["overhead_ms_p50"]
-    assert "via minus direct" in out and "x-sluice-overhead-ms" in out
+    assert "via minus direct" in out
+    assert "x-sluice-overhead-ms" in out
 
 
 @pytest.mark.parametrize(
@@ -297,19 +316,26 @@ def test_a_failing_endpoint_exits_1(tmp_path: Path, behaviour: Ok | Status, erro
     with ScriptedUpstream(default=behaviour) as up:
         code, doc, out = probe(tmp_path, f"{up.url}/v1", "--samples", "1", "--probes", "minimal")
     assert code == 1
-    assert doc["ok"] is False and error in doc["failure"] and error in out
+    assert doc["ok"] is False
+    assert error in doc["failure"]
+    assert error in out
     assert doc["findings"] == []
     (cold,) = doc["samples"]
-    assert cold["role"] == "cold" and error in cold["error"]
+    assert cold["role"] == "cold"
+    assert error in cold["error"]
 
 
 def test_connection_refused_exits_1(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"
     code, doc, out = probe(tmp_path, url, "--model", "m", "--samples", "1")
-    assert code == 1 and "connection refused" in out
-    assert "connection refused" in doc["failure"] and doc["samples"][0]["error"] == "connection refused"
+    assert code == 1
+    assert "connection refused" in out
+    assert "connection refused" in doc["failure"]
+    assert doc["samples"][0]["error"] == "connection refused"
     code, doc, _ = probe(tmp_path, url)
-    assert code == 1 and "/models" in doc["failure"] and "--model" in doc["failure"]
+    assert code == 1
+    assert "/models" in doc["failure"]
+    assert "--model" in doc["failure"]
 
 
 def synthetic(probe_name: str, connection: str, ttft: float, gaps: list[float], target: str = "direct") -> Sample:

@@ -52,7 +52,8 @@ async def test_a_later_turn_hits_the_prefix_cache_of_its_replica_only() -> None:
         warm_ttft, warm_cached, _ = await turn(server, 0, second)
         other_ttft, other_cached, _ = await turn(server, 1, second)
 
-        assert cold_cached == 0 and other_cached == 0
+        assert cold_cached == 0
+        assert other_cached == 0
         # The first turn's 4 + 200 + 4 + 2 = 210 tokens hold 13 full blocks of 16.
         assert warm_cached == 13 * 16
         assert warm_ttft * 3 < cold_ttft, (warm_ttft, cold_ttft)
@@ -100,7 +101,8 @@ async def test_requests_beyond_the_batch_wait_in_the_queue() -> None:
             answers = await asyncio.gather(*calls)
         assert all(answer.status_code == 200 for answer in answers)
         values = server.metrics()
-        assert values["vllm:num_requests_waiting"] == 0 and values["vllm:num_requests_running"] == 0
+        assert values["vllm:num_requests_waiting"] == 0
+        assert values["vllm:num_requests_running"] == 0
         assert server.stats()["finished"] == 5
 
 
@@ -142,7 +144,8 @@ async def test_the_prefix_cache_evicts_the_least_recently_used_blocks() -> None:
             assert await cached(http, server, "a") == 64
             assert await cached(http, server, "b") == 0
         stats = server.stats()
-    assert stats["cached_blocks"] == 8 and stats["evictions"] == 8
+    assert stats["cached_blocks"] == 8
+    assert stats["evictions"] == 8
 
 
 async def test_at_capacity_a_prompt_loses_its_tail_blocks_before_its_head() -> None:
@@ -157,7 +160,8 @@ async def test_metrics_use_vllm_names_and_the_model_label() -> None:
     with standin(model="org/model-7b") as server:
         async with client(server) as sdk:
             await sdk.chat.completions.create(model="org/model-7b", messages=[{"role": "user", "content": "x"}])
-        text = httpx.get(server.url + "/metrics").text
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(server.url + "/metrics")).text
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -202,7 +206,8 @@ async def test_cli_starts_replicas_on_consecutive_ports_and_prints_each() -> Non
         async with httpx.AsyncClient() as http:
             for i in range(3):
                 health = await http.get(f"http://127.0.0.1:{port + i}/health")
-                assert health.status_code == 200 and health.headers["x-sim-replica"] == str(i)
+                assert health.status_code == 200
+                assert health.headers["x-sim-replica"] == str(i)
     finally:
         process.terminate()
         await process.communicate()

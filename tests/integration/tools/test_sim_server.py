@@ -26,7 +26,7 @@ MESSAGES: Any = [{"role": "user", "content": "hello"}]
 Serve = Callable[[Profile], Awaitable[int]]
 
 
-@pytest.fixture
+@pytest.fixture()
 async def serve() -> AsyncIterator[Serve]:
     """Start simulated upstreams on free ports; they are closed after the test."""
     servers: list[asyncio.Server] = []
@@ -43,7 +43,7 @@ async def serve() -> AsyncIterator[Serve]:
         await server.wait_closed()
 
 
-@pytest.fixture
+@pytest.fixture()
 async def port(serve: Serve) -> int:
     return await serve(FAST)
 
@@ -127,7 +127,8 @@ async def test_chat_completion(port: int) -> None:
     assert answer.model == "gpt-x"
     assert answer.choices[0].finish_reason == "stop"
     assert answer.choices[0].message.content
-    assert answer.usage is not None and answer.usage.completion_tokens == 6
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 6
 
 
 async def test_chat_stream_with_usage(port: int) -> None:
@@ -141,7 +142,8 @@ async def test_chat_stream_with_usage(port: int) -> None:
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) == 4
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == []
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 4
 
 
 async def test_stream_and_non_stream_text_match(port: int) -> None:
@@ -157,7 +159,8 @@ async def test_completions(port: int) -> None:
         answer = await sdk.completions.create(model="legacy", prompt="once upon a time", max_tokens=3)
         stream = await sdk.completions.create(model="legacy", prompt="once upon a time", max_tokens=3, stream=True)
         chunks = [chunk async for chunk in stream]
-    assert answer.object == "text_completion" and answer.model == "legacy"
+    assert answer.object == "text_completion"
+    assert answer.model == "legacy"
     assert len(answer.choices[0].text.split(" ")) == 3
     assert answer.choices[0].finish_reason == "length"
     assert "".join(chunk.choices[0].text for chunk in chunks) == answer.choices[0].text
@@ -202,7 +205,8 @@ async def test_azure_deployment_is_the_model(port: int) -> None:
         chunks = [chunk async for chunk in stream]
         embedded = await azure.embeddings.create(model="embed-deployment", input="text")
         legacy = await azure.completions.create(model="text-deployment", prompt="hi")
-    assert answer.model == "my-deployment" and answer.choices[0].message.content
+    assert answer.model == "my-deployment"
+    assert answer.choices[0].message.content
     assert {chunk.model for chunk in chunks} == {"my-deployment"}
     assert embedded.model == "embed-deployment"
     assert legacy.model == "text-deployment"
@@ -251,7 +255,8 @@ async def test_header_overrides(serve: Serve) -> None:
         with pytest.raises(BadRequestError):
             await sdk.chat.completions.create(model="m", messages=MESSAGES, extra_headers={"x-sim-tokens": "many"})
     assert elapsed < 1.0
-    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 3
 
 
 # HTTP/1.1 behaviour
@@ -310,7 +315,8 @@ async def test_connection_close_is_honoured(port: int) -> None:
     data = request("POST", "/v1/chat/completions", body, "connection: close\r\n") + request("GET", "/health")
     messages, closed = await exchange(port, data, 2)
     assert closed
-    assert len(messages) == 1 and messages[0].status == 200
+    assert len(messages) == 1
+    assert messages[0].status == 200
     assert messages[0].headers["connection"] == "close"
 
 
@@ -388,7 +394,8 @@ async def test_main_serves_on_uvloop_and_says_where() -> None:
         assert found is not None, line
         body = {"model": "m", "messages": MESSAGES, "stream": True}
         [message], _ = await exchange(int(found.group(1)), request("POST", "/v1/chat/completions", body), 1)
-        assert message.status == 200 and message.chunks[-1] == b"data: [DONE]\n\n"
+        assert message.status == 200
+        assert message.chunks[-1] == b"data: [DONE]\n\n"
     finally:
         process.terminate()
         await process.communicate()

@@ -31,10 +31,14 @@ async def test_each_stand_in_answers_the_sdk_streamed_and_not(like: str) -> None
             chunks = [chunk async for chunk in stream]
         assert server.stats()["requests"]["/v1/chat/completions"] == 2
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content and len(text.split()) == 5
-    assert whole.usage is not None and whole.usage.completion_tokens == 5
+    assert text == whole.choices[0].message.content
+    assert len(text.split()) == 5
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 5
     usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
-    assert len(usage) == 1 and usage[0].completion_tokens == 5 and chunks[-1].choices == []
+    assert len(usage) == 1
+    assert usage[0].completion_tokens == 5
+    assert chunks[-1].choices == []
 
 
 @pytest.mark.parametrize("like", ["vllm", "tgi", "llamacpp"])
@@ -48,8 +52,10 @@ async def test_completions_stream_with_usage_and_one_token_requests_count_as_war
             await sdk.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=1)
         stats = server.stats()
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices).split() != []
-    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 3
-    assert stats["warmups"] == 1 and stats["requests"]["/v1/completions"] == 1
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens == 3
+    assert stats["warmups"] == 1
+    assert stats["requests"]["/v1/completions"] == 1
 
 
 async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
@@ -67,9 +73,11 @@ async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
             while (health := await http.get(server.url + "/health")).status_code == 503:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
-            assert health.status_code == 200 and health.json() == {"status": "ok"}
+            assert health.status_code == 200
+            assert health.json() == {"status": "ok"}
             props = (await http.get(server.url + "/props")).json()
-            assert props["total_slots"] == 8 and "n_ctx" in props["default_generation_settings"]
+            assert props["total_slots"] == 8
+            assert "n_ctx" in props["default_generation_settings"]
             models = (await http.get(server.url + "/v1/models")).json()
             assert models["data"][0]["owned_by"] == "llamacpp"
         assert server.stats()["loads"] == 1
@@ -88,32 +96,37 @@ async def test_llamacpp_refuses_n_above_one_and_names_its_own_model() -> None:
 async def test_tgi_and_vllm_open_their_port_only_once_loaded(like: str) -> None:
     with standin(like, load_ms=800, wait=False) as server:
         start = time.monotonic()
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(server.url + "/health")
-        deadline = start + 15
-        while True:
-            try:
-                health = httpx.get(server.url + "/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
-        assert health.status_code == 200 and time.monotonic() - start >= 0.7
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):
+                await http.get(server.url + "/health")
+            deadline = start + 15
+            while True:
+                try:
+                    health = await http.get(server.url + "/health")
+                    break
+                except httpx.ConnectError:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+        assert health.status_code == 200
+        assert time.monotonic() - start >= 0.7
 
 
 async def test_tgi_info_limits_and_its_own_error_shape() -> None:
     with standin("tgi", model="org/tgi-model", max_model_len=300) as server:
-        info = httpx.get(server.url + "/info").json()
-        assert info["model_id"] == "org/tgi-model" and info["max_total_tokens"] == 300
-        refused = httpx.post(
-            server.base_url() + "/chat/completions", json={"model": "tgi", "messages": MESSAGES, "max_tokens": 299}
-        )
+        async with httpx.AsyncClient() as http:
+            info = (await http.get(server.url + "/info")).json()
+            refused = await http.post(
+                server.base_url() + "/chat/completions", json={"model": "tgi", "messages": MESSAGES, "max_tokens": 299}
+            )
+        assert info["model_id"] == "org/tgi-model"
+        assert info["max_total_tokens"] == 300
         assert refused.status_code == 422
         assert refused.json()["error_type"] == "validation"
         assert "must be <= 300" in refused.json()["error"]
         async with client(server) as sdk:
             answer = await sdk.chat.completions.create(model="tgi", messages=MESSAGES, n=3)
-    assert answer.model == "org/tgi-model" and len(answer.choices) == 1  # model and n are ignored
+    assert answer.model == "org/tgi-model"
+    assert len(answer.choices) == 1  # model and n are ignored
 
 
 async def test_vllm_refusals_and_its_stream_options_rules() -> None:
@@ -129,9 +142,12 @@ async def test_vllm_refusals_and_its_stream_options_rules() -> None:
                 )
             stream = await sdk.chat.completions.create(model="sim", messages=MESSAGES, stream=True, stream_options={})
             assert [chunk async for chunk in stream][-1].usage is not None  # include_usage defaults to true
-        refused = httpx.post(server.base_url() + "/chat/completions", json={"model": "sim", "messages": []})
-        assert refused.status_code == 400 and refused.json()["error"]["type"] == "BadRequestError"
-        assert httpx.get(server.url + "/version").json()["version"]
+        async with httpx.AsyncClient() as http:
+            refused = await http.post(server.base_url() + "/chat/completions", json={"model": "sim", "messages": []})
+            version = (await http.get(server.url + "/version")).json()
+        assert refused.status_code == 400
+        assert refused.json()["error"]["type"] == "BadRequestError"
+        assert version["version"]
 
 
 async def timed(http: httpx.AsyncClient, server: Standins, path: str, body: dict[str, Any]) -> tuple[float, Any]:
@@ -148,7 +164,8 @@ async def test_ollama_unloads_after_idle_and_the_next_request_pays_the_load_agai
             body = {"model": "sim", "messages": MESSAGES}
             cold, _ = await timed(http, server, "/v1/chat/completions", body)
             warm, _ = await timed(http, server, "/v1/chat/completions", body)
-            assert cold >= 0.38 and warm * 2 < cold, (cold, warm)
+            assert cold >= 0.38, (cold, warm)
+            assert warm * 2 < cold, (cold, warm)
             [loaded] = (await http.get(server.url + "/api/ps")).json()["models"]
             assert loaded["name"] == "sim:latest"
             deadline = time.monotonic() + 15
@@ -158,7 +175,8 @@ async def test_ollama_unloads_after_idle_and_the_next_request_pays_the_load_agai
             again, _ = await timed(http, server, "/v1/chat/completions", body)
             assert again >= 0.38
         stats = server.stats()
-    assert stats["loads"] == 2 and stats["unloads"] == 1
+    assert stats["loads"] == 2
+    assert stats["unloads"] == 1
 
 
 async def test_ollama_requests_arriving_during_a_load_share_it() -> None:
@@ -198,7 +216,8 @@ async def test_ollama_keep_alive_sets_the_expiry_on_the_native_api_only() -> Non
             )
             assert (await http.get(server.url + "/api/ps")).json() == {"models": []}
             refused = await http.post(server.url + "/api/chat", json={"model": "sim", "keep_alive": "soon"})
-            assert refused.status_code == 400 and "invalid duration" in refused.json()["error"]
+            assert refused.status_code == 400
+            assert "invalid duration" in refused.json()["error"]
         assert server.stats()["unloads"] == 1
 
 
@@ -206,13 +225,17 @@ async def test_ollama_empty_requests_load_and_unload() -> None:
     with standin("ollama", load_ms=300) as server:
         async with httpx.AsyncClient() as http:
             took, loaded = await timed(http, server, "/api/chat", {"model": "sim", "messages": []})
-            assert loaded["done_reason"] == "load" and loaded["done"] is True and took >= 0.28
+            assert loaded["done_reason"] == "load"
+            assert loaded["done"] is True
+            assert took >= 0.28
             assert len((await http.get(server.url + "/api/ps")).json()["models"]) == 1
             _, unloaded = await timed(http, server, "/api/generate", {"model": "sim", "keep_alive": 0})
             assert unloaded["done_reason"] == "unload"
             assert (await http.get(server.url + "/api/ps")).json() == {"models": []}
         stats = server.stats()
-    assert stats["warmups"] == 2 and stats["loads"] == 1 and stats["unloads"] == 1
+    assert stats["warmups"] == 2
+    assert stats["loads"] == 1
+    assert stats["unloads"] == 1
 
 
 async def test_ollama_native_streams_are_ndjson_and_unknown_models_404() -> None:
@@ -224,9 +247,11 @@ async def test_ollama_native_streams_are_ndjson_and_unknown_models_404() -> None
                 assert response.headers["content-type"] == "application/x-ndjson"
                 lines = [httpx.Response(200, content=line).json() async for line in response.aiter_lines() if line]
             assert [line["done"] for line in lines] == [False] * 4 + [True]
-            assert lines[-1]["eval_count"] == 4 and lines[-1]["prompt_eval_count"] == 4 + 2
+            assert lines[-1]["eval_count"] == 4
+            assert lines[-1]["prompt_eval_count"] == 4 + 2
             missing = await http.post(server.url + "/api/chat", json={"model": "nope", "messages": MESSAGES})
-            assert missing.status_code == 404 and missing.json() == {"error": "model 'nope' not found"}
+            assert missing.status_code == 404
+            assert missing.json() == {"error": "model 'nope' not found"}
             tags = (await http.get(server.url + "/api/tags")).json()["models"]
             assert [tag["name"] for tag in tags] == ["sim:latest"]
             assert (await http.get(server.url + "/api/version")).json()["version"]

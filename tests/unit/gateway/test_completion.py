@@ -34,13 +34,15 @@ def test_text_stream_assembles_and_replays_identically() -> None:
     assert answer is not None
     parsed = ChatCompletion.model_validate(answer)
     assert parsed.choices[0].message.content == "Hello world"
-    assert parsed.usage is not None and parsed.usage.total_tokens == 5
+    assert parsed.usage is not None
+    assert parsed.usage.total_tokens == 5
     replayed = replay("chat/completions", answer, include_usage=True)
     chunks, done = events(replayed)
     assert done
     models = [ChatCompletionChunk.model_validate(c) for c in chunks]
     assert "".join(c.choices[0].delta.content or "" for c in models if c.choices) == "Hello world"
-    assert models[-1].usage is not None and models[-1].choices == []
+    assert models[-1].usage is not None
+    assert models[-1].choices == []
     assert assemble("chat/completions", replayed) == answer
 
 
@@ -70,5 +72,6 @@ def test_legacy_completions() -> None:
         {**chunk, "choices": [{"index": 0, "text": "c", "finish_reason": "length"}]},
     )
     answer = assemble("completions", body)
-    assert answer is not None and answer["choices"][0]["text"] == "abc"
+    assert answer is not None
+    assert answer["choices"][0]["text"] == "abc"
     assert assemble("completions", replay("completions", answer, False)) == answer

@@ -48,7 +48,7 @@ MakePool = Callable[..., Pool]
 T = TypeVar("T")
 
 
-@pytest.fixture
+@pytest.fixture()
 def up() -> Iterator[ScriptedUpstream]:
     with ScriptedUpstream() as upstream:
         yield upstream
@@ -63,7 +63,7 @@ def pool_factory(up: ScriptedUpstream, pools: list[Pool]) -> MakePool:
     return make
 
 
-@pytest.fixture
+@pytest.fixture()
 async def make_pool(up: ScriptedUpstream) -> AsyncIterator[MakePool]:
     pools: list[Pool] = []
     yield pool_factory(up, pools)
@@ -79,6 +79,14 @@ async def chat(pool: Pool, stream: bool = False, target: str = CHAT) -> Response
 async def within(awaitable: Awaitable[T], seconds: float = 1.0) -> T:
     """Await with a bound, so that a timer the pool failed to set fails the test instead of hanging it."""
     return await asyncio.wait_for(awaitable, seconds)
+
+
+async def read_on(response: Response, chunks: list[bytes], stamps: list[float] | None = None) -> None:
+    """Read the body chunk by chunk until it fails, keeping what came (and when) for the test to check."""
+    while True:
+        chunks.append(await within(response.next_chunk()))
+        if stamps is not None:
+            stamps.append(time.monotonic())
 
 
 async def disconnected(up: ScriptedUpstream, count: int = 1) -> bool:
@@ -293,14 +301,12 @@ async def test_idle_read_timeout_mid_body(up: ScriptedUpstream, make_pool: MakeP
     up.script(Stall(after_chunks=2))
     pool = make_pool(idle_read_timeout=0.2)
     response = await chat(pool, stream=True)
-    received = b""
-    last = time.monotonic()
+    chunks: list[bytes] = []
+    stamps = [time.monotonic()]
     with pytest.raises(ReadTimeout):
-        while True:
-            received += await within(response.next_chunk())
-            last = time.monotonic()
-    assert time.monotonic() - last > 0.18
-    assert len(sse_data(received)) == 2
+        await read_on(response, chunks, stamps)
+    assert time.monotonic() - stamps[-1] > 0.18
+    assert len(sse_data(b"".join(chunks))) == 2
     assert await disconnected(up)
     assert pool.size == 0
 
@@ -367,11 +373,10 @@ async def test_reset_mid_stream(up: ScriptedUpstream, make_pool: MakePool) -> No
     up.script(ResetMidStream(after_chunks=2))
     pool = make_pool()
     response = await chat(pool, stream=True)
-    received = b""
+    chunks: list[bytes] = []
     with pytest.raises(RemoteProtocolError):
-        while True:
-            received += await within(response.next_chunk())
-    assert len(sse_data(received)) == 2
+        await read_on(response, chunks)
+    assert len(sse_data(b"".join(chunks))) == 2
     assert not response.complete
     assert pool.size == 0
 
@@ -434,7 +439,8 @@ async def test_back_pressure_stops_reading_the_socket(up: ScriptedUpstream, make
     await until(lambda: response._conn is not None and response._conn.paused)
     # Above the mark by at most one socket read (256 KiB), never the whole body.
     assert HIGH_WATER < response._buffered <= HIGH_WATER + 256 * 1024 + 16 * 1024
-    assert response._conn is not None and response._conn.paused
+    assert response._conn is not None
+    assert response._conn.paused
     assert not response.complete
     assert await response.read() == body
     assert await (await chat(pool)).read()

@@ -16,11 +16,15 @@ def test_commands_are_encoded_as_arrays_of_bulk_strings() -> None:
 
 def test_urls_give_addresses_credentials_database_and_tls() -> None:
     addresses, options, cluster = parse_url("redis://u%40x:p%3Aw@10.0.0.1:6380/3")
-    assert addresses == [("10.0.0.1", 6380)] and not cluster
+    assert addresses == [("10.0.0.1", 6380)]
+    assert not cluster
     assert (options.username, options.password, options.db, options.tls) == ("u@x", "p:w", 3, None)
     addresses, options, cluster = parse_url("rediss+cluster://:secret@a:7000,b:7001,[::1]:7002", timeout_s=0.1)
-    assert addresses == [("a", 7000), ("b", 7001), ("::1", 7002)] and cluster
-    assert options.password == "secret" and options.username is None and options.tls is not None
+    assert addresses == [("a", 7000), ("b", 7001), ("::1", 7002)]
+    assert cluster
+    assert options.password == "secret"
+    assert options.username is None
+    assert options.tls is not None
     assert options.timeout_s == 0.1
     assert parse_url("redis://localhost")[0] == [("localhost", 6379)]
     with pytest.raises(ValueError, match="scheme"):
@@ -46,7 +50,9 @@ def test_hash_slots_match_redis_and_honour_hash_tags() -> None:
 def test_scripts_are_routed_by_their_first_key_and_keyless_commands_by_none() -> None:
     assert key_of(("EVALSHA", "abc", 2, "k1", "k2", "arg")) == "k1"
     assert key_of(("EVALSHA", "abc", 0, "arg")) is None
-    assert key_of(("GET", "k")) == "k" and key_of(("PING",)) is None and key_of(("SCRIPT", "LOAD", "x")) is None
+    assert key_of(("GET", "k")) == "k"
+    assert key_of(("PING",)) is None
+    assert key_of(("SCRIPT", "LOAD", "x")) is None
 
 
 async def test_replies_split_anywhere_reach_their_callers_in_order() -> None:

@@ -25,9 +25,13 @@ def respond(**fields: Any) -> Any:
 def test_the_simulated_response_is_a_valid_response_object() -> None:
     reply = respond(max_output_tokens=4, instructions="be brief")
     response = Response.model_validate(orjson.loads(reply.pieces[0]))
-    assert response.status == "incomplete" and response.incomplete_details is not None
-    assert len(response.output_text.split()) == 4 and response.model == "served"
-    assert response.usage is not None and response.usage.input_tokens == 4 and response.usage.total_tokens == 8
+    assert response.status == "incomplete"
+    assert response.incomplete_details is not None
+    assert len(response.output_text.split()) == 4
+    assert response.model == "served"
+    assert response.usage is not None
+    assert response.usage.input_tokens == 4
+    assert response.usage.total_tokens == 8
     assert reply.ttft_s == pytest.approx(0.1 + 3 * 0.01)  # the whole answer once it would have been generated
     ident = orjson.loads(respond().pieces[0])["id"]
     assert ident == orjson.loads(respond().pieces[0])["id"]  # the same request, the same response
@@ -36,10 +40,12 @@ def test_the_simulated_response_is_a_valid_response_object() -> None:
 
 def test_the_simulated_stream_has_its_first_token_in_the_first_piece() -> None:
     reply = respond(stream=True)
-    assert reply.content_type == SSE and len(reply.pieces) == 6  # one piece per token, as for chat
+    assert reply.content_type == SSE
+    assert len(reply.pieces) == 6  # one piece per token, as for chat
     assert RESPONSES_RULES.first_token.search(reply.pieces[0])
     assert not RESPONSES_RULES.first_token.search(reply.pieces[0].split(b"response.output_text.delta")[0])
-    assert RESPONSES_RULES.end.search(reply.pieces[-1]) and not CHAT_RULES.end.search(reply.pieces[-1])
+    assert RESPONSES_RULES.end.search(reply.pieces[-1])
+    assert not CHAT_RULES.end.search(reply.pieces[-1])
     body = b"".join(reply.pieces)
     events = [orjson.loads(line[6:]) for line in body.splitlines() if line.startswith(b"data: ")]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -89,7 +95,8 @@ def test_memory_jobs_keep_the_first_terminal_status_and_cap_per_tenant() -> None
         assert await jobs.update(job, "cancelled", b'{"status":"cancelled"}')
         assert not await jobs.update(job, "completed", b"{}")
         found = await jobs.get("resp_1")
-        assert found is not None and found.status == "cancelled"
+        assert found is not None
+        assert found.status == "cancelled"
         assert await jobs.create(Job("resp_4", "responses", "acme", "m", "me", "queued", b"{}"), 1, 60)
 
     asyncio.run(scenario())
@@ -98,5 +105,8 @@ def test_memory_jobs_keep_the_first_terminal_status_and_cap_per_tenant() -> None
 def test_a_queued_background_response_is_a_valid_response_object() -> None:
     body = {"model": "m", "input": "x", "background": True, "instructions": "be brief", "metadata": {"k": "v"}}
     response = Response.model_validate(queued_response("resp_abc", body, 1700000000))
-    assert response.status == "queued" and response.background and response.output == []
-    assert response.instructions == "be brief" and response.metadata == {"k": "v"}
+    assert response.status == "queued"
+    assert response.background
+    assert response.output == []
+    assert response.instructions == "be brief"
+    assert response.metadata == {"k": "v"}

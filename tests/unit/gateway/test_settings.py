@@ -19,7 +19,8 @@ def test_env_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_KEY", "sk-123")
     settings = parse(BASE)
     backend = settings.backends["up"]
-    assert backend.type == "openai" and backend.api_key == "sk-123"
+    assert backend.type == "openai"
+    assert backend.api_key == "sk-123"
 
 
 def test_env_default_and_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,7 +178,8 @@ def test_a_plugin_from_a_package_owns_its_sections() -> None:
     settings = parse(text)
     config = settings.plugin_config("tests.support.plugins:Greeter")
     assert config.section.greeting == "hello"
-    assert config.models["m"].greet and not config.models["n"].greet
+    assert config.models["m"].greet
+    assert not config.models["n"].greet
     assert problems(text.replace("greeting:", "greting:")) == ["greeter.greting: unknown key"]
     assert problems(text.replace("plugins: ['tests.support.plugins:Greeter']\n", "")) == [
         "greeter: unknown key",  # a plugin from a package is known only once it is listed

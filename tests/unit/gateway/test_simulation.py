@@ -34,10 +34,13 @@ def body(reply: Reply) -> Any:
 
 def events(reply: Reply) -> list[dict[str, Any]]:
     """The JSON events of a stream, checking the SSE framing and the final [DONE]."""
-    assert reply.stream and reply.content_type == SSE
+    assert reply.stream
+    assert reply.content_type == SSE
     assert reply.pieces[-1] == DONE
     for piece in reply.pieces:
-        assert piece.startswith(b"data: ") and piece.endswith(b"\n\n") and piece.count(b"\n\n") == 1
+        assert piece.startswith(b"data: ")
+        assert piece.endswith(b"\n\n")
+        assert piece.count(b"\n\n") == 1
     return [orjson.loads(piece[len(b"data: ") :]) for piece in reply.pieces[:-1]]
 
 
@@ -54,7 +57,8 @@ def test_chat_answer_parses_as_an_sdk_chat_completion() -> None:
     completion = ChatCompletion.model_validate(body(reply))
     assert completion.object == "chat.completion"
     assert completion.model == "served-model"
-    assert completion.id.startswith("chatcmpl-") and len(completion.id) > len("chatcmpl-")
+    assert completion.id.startswith("chatcmpl-")
+    assert len(completion.id) > len("chatcmpl-")
     assert completion.choices[0].message.role == "assistant"
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage is not None
@@ -105,15 +109,18 @@ def test_non_stream_delay_covers_the_whole_generation() -> None:
 
 def test_chat_stream_events_follow_the_openai_shape() -> None:
     reply = chat(stream=True)
-    assert reply.ttft_s == pytest.approx(0.100) and reply.tpot_s == pytest.approx(0.010)
+    assert reply.ttft_s == pytest.approx(0.100)
+    assert reply.tpot_s == pytest.approx(0.010)
     chunks = [ChatCompletionChunk.model_validate(event) for event in events(reply)]
     assert len(chunks) == 1 + 6 + 1  # role, tokens, finish
-    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
     tokens = [chunk.choices[0].delta.content for chunk in chunks[1:-1]]
     assert all(token is not None for token in tokens)
     assert not tokens[0].startswith(" ")  # type: ignore[union-attr]
     assert all(token.startswith(" ") for token in tokens[1:])  # type: ignore[union-attr]
-    assert chunks[-1].choices[0].delta.content is None and chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].delta.content is None
+    assert chunks[-1].choices[0].finish_reason == "stop"
     assert all(chunk.choices[0].finish_reason is None for chunk in chunks[:-1])
     assert {chunk.id for chunk in chunks} == {body(chat())["id"]}
     assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
@@ -165,7 +172,8 @@ def test_completion_answer_parses_as_an_sdk_completion() -> None:
     assert completion.id.startswith("cmpl-")
     assert len(completion.choices[0].text.split(" ")) == 4
     assert completion.choices[0].finish_reason == "length"
-    assert completion.usage is not None and completion.usage.completion_tokens == 4
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 4
 
 
 def test_completion_stream_carries_text_chunks() -> None:
@@ -175,12 +183,14 @@ def test_completion_stream_carries_text_chunks() -> None:
     *tokens, finish, usage = all_events
     # The SDK reads stream chunks leniently; its strict model wants a finish reason, which only the end has.
     for event in tokens:
-        assert event["object"] == "text_completion" and event["usage"] is None
+        assert event["object"] == "text_completion"
+        assert event["usage"] is None
         assert event["choices"] == [
             {"text": event["choices"][0]["text"], "index": 0, "logprobs": None, "finish_reason": None}
         ]
     assert Completion.model_validate(finish).choices[0].finish_reason == "stop"
-    assert Completion.model_validate(usage).usage is not None and usage["choices"] == []
+    assert Completion.model_validate(usage).usage is not None
+    assert usage["choices"] == []
     text = "".join(event["choices"][0]["text"] for event in tokens)
     plain = simulate("completions", {**fields, "stream": False}, "m", PROFILE)
     assert text == body(plain)["choices"][0]["text"]
@@ -196,7 +206,8 @@ def test_completion_accepts_token_ids() -> None:
 
 def test_embeddings_for_a_list_of_strings() -> None:
     reply = simulate("embeddings", {"model": "e", "input": ["a b", "c"]}, "e", PROFILE)
-    assert reply.ttft_s == pytest.approx(0.100) and reply.tpot_s == 0.0
+    assert reply.ttft_s == pytest.approx(0.100)
+    assert reply.tpot_s == 0.0
     response = CreateEmbeddingResponse.model_validate(body(reply))
     assert response.model == "e"
     assert [item.index for item in response.data] == [0, 1]
@@ -253,7 +264,8 @@ def test_bad_bodies_get_an_openai_400(endpoint: str, fields: dict[str, Any], par
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert error["code"] is None
-    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["message"], str)
+    assert error["message"]
 
 
 def test_unknown_endpoint_is_a_404() -> None:
@@ -280,7 +292,9 @@ def target(provider: SimulatedProvider) -> Target:
 async def test_provider_plays_a_stream_with_its_delays() -> None:
     provider = SimulatedProvider(Profile(ttft_ms=60.0, tpot_ms=20.0, tokens=3))
     await provider.start()
-    assert provider.ready and provider.kind == "simulated" and provider.system == "openai"
+    assert provider.ready
+    assert provider.kind == "simulated"
+    assert provider.system == "openai"
     started = time.perf_counter()
     response = await provider.send(exchange({**CHAT, "stream": True}), target(provider))
     assert time.perf_counter() - started < 0.03  # the head is ready at once
@@ -362,7 +376,8 @@ def test_cached_tokens_are_reported_in_prompt_tokens_details() -> None:
     whole = simulate("chat/completions", {"messages": body["messages"]}, "m", Profile(), cached_tokens=16)
     assert orjson.loads(whole.pieces[0])["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
     stream = simulate("chat/completions", body, "m", Profile(tokens=3), cached_tokens=0)
-    assert stream.tokens == 3 and len(stream.pieces) == 1 + 3 + 1 + 1 + 1
+    assert stream.tokens == 3
+    assert len(stream.pieces) == 1 + 3 + 1 + 1 + 1
     assert orjson.loads(stream.pieces[-2][6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert all(piece.startswith(b"data: ") and piece.endswith(b"\n\n") for piece in stream.pieces)
     assert sse(b"[DONE]") == DONE

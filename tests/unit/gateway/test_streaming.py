@@ -73,8 +73,10 @@ async def test_every_single_split_of_the_stream_gives_the_client_the_stream_it_a
         client, tapped, outcome = await relay(splits(upstream, cut), HIDE)
         assert client == wanted, cut
         assert tapped == wanted  # plugins (the cache) see what the client sees
-        assert outcome.complete and outcome.error is None
-        assert outcome.usage == USAGE and outcome.usage_source == "upstream"
+        assert outcome.complete
+        assert outcome.error is None
+        assert outcome.usage == USAGE
+        assert outcome.usage_source == "upstream"
 
 
 @pytest.mark.parametrize(
@@ -101,7 +103,8 @@ async def test_the_tail_in_each_shape(shape: str) -> None:
     }[shape]
     client, _, outcome = await relay(reads, HIDE)
     assert client == b"".join(stream(usage=False))
-    assert outcome.usage == USAGE and outcome.complete
+    assert outcome.usage == USAGE
+    assert outcome.complete
 
 
 async def test_a_client_that_asked_gets_the_stream_unchanged() -> None:
@@ -130,9 +133,11 @@ async def test_an_azure_preamble_with_empty_choices_is_not_mistaken_for_usage() 
 async def test_a_stream_cut_short_keeps_no_half_event_before_the_error() -> None:
     events = stream(usage=True)
     client, _, outcome = await relay([*events[:3], events[3][:10]], HIDE)
-    assert not outcome.complete and outcome.error is not None
+    assert not outcome.complete
+    assert outcome.error is not None
     assert client.startswith(b"".join(stream(usage=False)[:3]))
-    assert b'data: {"error"' in client and events[3][:10] not in client[-200:]
+    assert b'data: {"error"' in client
+    assert events[3][:10] not in client[-200:]
 
 
 def body_sent(fields: dict[str, Any], model: str | None = None, usage: bool = True) -> dict[str, Any]:

@@ -187,10 +187,12 @@ def test_begin_starts_a_trace(traced: tuple[Tracing, InMemorySpanExporter, Fates
     assert ex.traceparent is not None
     found = tracecontext.incoming([(b"traceparent", ex.traceparent)])
     assert found is not None
-    assert found[1] == b"00" and found[4] == b"01"
+    assert found[1] == b"00"
+    assert found[4] == b"01"
     other = exchange(upstreams)
     tracing.begin(other)
-    assert other.traceparent is not None and other.traceparent[3:35] != ex.traceparent[3:35]
+    assert other.traceparent is not None
+    assert other.traceparent[3:35] != ex.traceparent[3:35]
 
 
 def test_begin_continues_the_clients_trace(
@@ -259,7 +261,8 @@ def test_spans_of_a_streamed_upstream_answer(
 
     root = spans["POST /v1/chat/completions"]
     client = spans["chat chat-large"]
-    assert root.parent is None and root.kind is SpanKind.SERVER
+    assert root.parent is None
+    assert root.kind is SpanKind.SERVER
     assert client.kind is SpanKind.CLIENT
     assert span_id(client) == int(ex.traceparent[36:52], 16)  # the upstream's parent
     for name in ("parse", "auth", "cache", "chat chat-large"):
@@ -269,7 +272,9 @@ def test_spans_of_a_streamed_upstream_answer(
     assert {span.get_span_context().trace_id for span in spans.values()} == {int(trace_id, 16)}  # type: ignore[union-attr]
 
     def ms(span: ReadableSpan) -> tuple[float, float]:
-        assert span.start_time is not None and span.end_time is not None and root.start_time is not None
+        assert span.start_time is not None
+        assert span.end_time is not None
+        assert root.start_time is not None
         return (span.start_time - root.start_time) / 1e6, (span.end_time - root.start_time) / 1e6
 
     assert ms(root) == (0.0, pytest.approx(200.0, abs=0.01))
@@ -284,7 +289,8 @@ def test_spans_of_a_streamed_upstream_answer(
     # Wall-clock placement: the request arrived 200 ms before it was recorded.
     assert abs(root.start_time - (time.time_ns() - 200_000_000)) < 1e9  # type: ignore[operator]
 
-    assert root.attributes is not None and client.attributes is not None
+    assert root.attributes is not None
+    assert client.attributes is not None
     expected = {
         "http.request.method": "POST",
         "http.route": "/v1/chat/completions",
@@ -300,7 +306,8 @@ def test_spans_of_a_streamed_upstream_answer(
         "user_agent.original": "OpenAI/Python",
     }
     assert expected.items() <= dict(root.attributes).items()
-    assert "error.type" not in root.attributes and "sluice.fallback" not in root.attributes
+    assert "error.type" not in root.attributes
+    assert "sluice.fallback" not in root.attributes
     assert dict(client.attributes) == {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "openai",
@@ -336,7 +343,8 @@ def test_spans_of_a_fallback(traced: tuple[Tracing, InMemorySpanExporter, Fates]
     assert "stream" not in spans  # a whole answer: the body came with the upstream wait
     failed, answered = spans["attempt chat-large"], spans["attempt chat-small"]
     assert parent_of(failed) == parent_of(answered) == span_id(spans["upstream"])
-    assert failed.attributes is not None and failed.attributes["error.type"] == "503"
+    assert failed.attributes is not None
+    assert failed.attributes["error.type"] == "503"
     assert failed.end_time == answered.start_time
     client = spans["chat chat-large"]
     assert client.attributes is not None
@@ -344,7 +352,8 @@ def test_spans_of_a_fallback(traced: tuple[Tracing, InMemorySpanExporter, Fates]
     assert client.attributes["gen_ai.provider.name"] == "openai"
     assert "server.address" not in client.attributes  # the simulated backend has no address
     root = spans["POST /v1/chat/completions"]
-    assert root.attributes is not None and root.attributes["sluice.fallback"] == "error"
+    assert root.attributes is not None
+    assert root.attributes["sluice.fallback"] == "error"
 
 
 def test_spans_of_a_cache_hit(traced: tuple[Tracing, InMemorySpanExporter, Fates], upstreams: Upstreams) -> None:
@@ -361,7 +370,8 @@ def test_spans_of_a_cache_hit(traced: tuple[Tracing, InMemorySpanExporter, Fates
     assert set(spans) == {"POST /v1/chat/completions", "parse", "auth", "cache", "stream"}
     root = spans["POST /v1/chat/completions"]
     assert parent_of(spans["stream"]) == span_id(root)
-    assert root.attributes is not None and root.attributes["sluice.cache"] == "hit"
+    assert root.attributes is not None
+    assert root.attributes["sluice.cache"] == "hit"
 
 
 def test_spans_of_an_upstream_failure(
@@ -380,9 +390,12 @@ def test_spans_of_an_upstream_failure(
     spans = by_name(memory.get_finished_spans())
     assert set(spans) == {"POST /v1/chat/completions", "parse", "chat chat-small", "upstream"}
     root, client = spans["POST /v1/chat/completions"], spans["chat chat-small"]
-    assert root.status.status_code is StatusCode.ERROR and client.status.status_code is StatusCode.ERROR
-    assert root.attributes is not None and root.attributes["error.type"] == "503"
-    assert client.attributes is not None and client.attributes["error.type"] == "503"
+    assert root.status.status_code is StatusCode.ERROR
+    assert client.status.status_code is StatusCode.ERROR
+    assert root.attributes is not None
+    assert root.attributes["error.type"] == "503"
+    assert client.attributes is not None
+    assert client.attributes["error.type"] == "503"
     assert "gen_ai.response.model" not in client.attributes
 
 
@@ -394,7 +407,8 @@ def test_unsampled_requests_build_nothing(settings: Settings, upstreams: Upstrea
     try:
         ex = exchange(upstreams)
         tracing.begin(ex)
-        assert ex.traceparent is not None and ex.traceparent.endswith(b"-00")  # still propagated upstream
+        assert ex.traceparent is not None
+        assert ex.traceparent.endswith(b"-00")  # still propagated upstream
         served(ex, upstreams)
         assert tracing.record(ex, finished()) is None
         tracing.processor.force_flush()
@@ -556,7 +570,8 @@ def test_compose_runs_the_whole_stack() -> None:
                 assert (ROOT_DIR / source).exists(), f"{name}: {source} is mounted but missing"
 
     gateway = services["gateway"]
-    assert gateway["build"] == "." and "8080:8080" in gateway["ports"]
+    assert gateway["build"] == "."
+    assert "8080:8080" in gateway["ports"]
     assert "./config/compose.yaml:/etc/sluice/gateway.yaml:ro" in gateway["volumes"]
     command = gateway["command"]
     assert command[:4] == ["sluice", "serve", "-c", "/etc/sluice/gateway.yaml"]
@@ -564,7 +579,8 @@ def test_compose_runs_the_whole_stack() -> None:
     assert gateway["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
 
     sim = services["sim"]["command"]
-    assert sim[:2] == ["sluice", "sim"] and sim[sim.index("--host") + 1] == "0.0.0.0"
+    assert sim[:2] == ["sluice", "sim"]
+    assert sim[sim.index("--host") + 1] == "0.0.0.0"
     assert f"{sim[sim.index('--port') + 1]}:8000" in services["sim"]["ports"]
 
     jaeger = services["jaeger"]
@@ -595,7 +611,8 @@ def test_the_compose_gateway_config_points_at_the_stack(monkeypatch: pytest.Monk
         monkeypatch.delenv(name, raising=False)
     settings = parse((ROOT_DIR / "config/compose.yaml").read_text(), "config/compose.yaml")
     assert (settings.listen.host, settings.listen.port) == ("0.0.0.0", 8080)
-    assert settings.telemetry.otlp_endpoint == "http://jaeger:4318" and settings.telemetry.sample_ratio == 1.0
+    assert settings.telemetry.otlp_endpoint == "http://jaeger:4318"
+    assert settings.telemetry.sample_ratio == 1.0
     assert settings.redis.url == "redis://redis:6379/0"
     sim = compose()["sim"]["command"]
     port = sim[sim.index("--port") + 1]

@@ -53,7 +53,8 @@ async def hit(plugin: Cache, prompt: str, include_usage: bool) -> bytes:
         "stream_options": options}})  # fmt: skip
     ex = request.parse("chat/completions", [], body, time.perf_counter(), "rid")
     reply = await plugin.on_request(ex)
-    assert reply is not None and reply.source == "cache"
+    assert reply is not None
+    assert reply.source == "cache"
     return reply.body
 
 
@@ -67,7 +68,8 @@ async def test_unique_prompts_never_take_l1_past_its_entries_or_its_bytes() -> N
         await fill(by_entries, f"prompt {i}")
         await fill(by_bytes, f"prompt {i}")
     assert len(by_entries.l1) == 200
-    assert 0 < by_bytes.l1.bytes <= 300_000 and accounted(by_bytes) == by_bytes.l1.bytes
+    assert 0 < by_bytes.l1.bytes <= 300_000
+    assert accounted(by_bytes) == by_bytes.l1.bytes
     assert len(by_bytes.l1) < 300_000 // len(orjson.dumps(ANSWER))
     assert by_entries.stats["stored"] == by_bytes.stats["stored"] == 2000
 
@@ -117,13 +119,19 @@ def test_l1_evicts_the_least_recently_used_and_drops_expired_entries() -> None:
         l1.put(key, Sized(10, later))
     assert l1.get("a") is not None  # a is now the most recently used: b goes first
     l1.put("d", Sized(10, later))
-    assert list(l1.entries) == ["c", "a", "d"] and l1.bytes == 30
+    assert list(l1.entries) == ["c", "a", "d"]
+    assert l1.bytes == 30
     l1.put("e", Sized(75, later))  # over the bytes: c, the oldest, goes
-    assert list(l1.entries) == ["a", "d", "e"] and l1.bytes == 95
+    assert list(l1.entries) == ["a", "d", "e"]
+    assert l1.bytes == 95
     l1.put("d", Sized(20, later))  # stored again, grown: counted anew, and a goes to make room
-    assert list(l1.entries) == ["e", "d"] and l1.bytes == 95
+    assert list(l1.entries) == ["e", "d"]
+    assert l1.bytes == 95
     l1.put("x", Sized(101, later))  # larger than the whole level: not kept
-    assert "x" not in l1.entries and l1.bytes == 95
+    assert "x" not in l1.entries
+    assert l1.bytes == 95
     l1.put("old", Sized(5, time.time() - 1))
     assert l1.bytes == 100
-    assert l1.get("old") is None and list(l1.entries) == ["e", "d"] and l1.bytes == 95  # expired: dropped
+    assert l1.get("old") is None  # expired: dropped
+    assert list(l1.entries) == ["e", "d"]
+    assert l1.bytes == 95

@@ -117,7 +117,8 @@ def test_bucket_is_all_or_nothing() -> None:
     verdict = buckets.take(["requests", "tokens"], [0, 10, PERIOD_MS, 1, 1000, PERIOD_MS, 200])
     assert verdict[0] == 0
     assert verdict[1] == 10  # the requests bucket fits, but is not charged since tokens do not
-    assert verdict[3] == 0 and verdict[6] == 6_000  # 100 missing tokens at 1000 per minute
+    assert verdict[3] == 0
+    assert verdict[6] == 6_000  # 100 missing tokens at 1000 per minute
     assert buckets.take(["requests"], [0, 10, PERIOD_MS, 1])[1] == 9
 
 
@@ -129,7 +130,9 @@ def test_forced_charges_and_refunds() -> None:
     assert buckets.take(["t"], [1, 1000, PERIOD_MS, -5000])[1] == 1000  # a refund never overfills
     assert "t" not in buckets.full_at
     debt = buckets.take(["t"], [1, 1000, PERIOD_MS, 1500])
-    assert debt[0] == 1 and debt[1] == -500 and debt[2] == 90_000  # usage beyond the limit is owed
+    assert debt[0] == 1
+    assert debt[1] == -500
+    assert debt[2] == 90_000  # usage beyond the limit is owed
 
 
 # The plugin
@@ -187,14 +190,16 @@ async def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> Non
     assert headers[b"retry-after-ms"] == b"500"
     clock.now += 0.4
     headers = dict((await refused(plugin, exchange("acme"))).headers)
-    assert headers[b"retry-after"] == b"1" and headers[b"retry-after-ms"] == b"100"
+    assert headers[b"retry-after"] == b"1"
+    assert headers[b"retry-after-ms"] == b"100"
 
 
 async def test_tokens_are_reserved_and_corrected_from_usage() -> None:
     plugin = await limiter(Clock())
     first = exchange("tokenco", max_tokens=1000)
     reserved, completion = estimate(first, 100)
-    assert completion == 1000 and reserved == 1000 + len(first.body) // 4
+    assert completion == 1000
+    assert reserved == 1000 + len(first.body) // 4
     await plugin.on_request(first)
     headers = await headers_of(plugin, first)
     assert headers["x-ratelimit-limit-tokens"] == "2000"
@@ -343,7 +348,8 @@ def test_a_lease_is_sized_to_the_observed_rate_within_its_cap() -> None:
     for _ in range(100):  # 100 requests in 100 ms: 1 per ms, so 200 for the next 200 ms
         lease.free += 1
         lease.take(1)
-    assert lease.low == 0 and lease.outgoing(100.0, renew=True) is None  # not known to be busy: no renewal
+    assert lease.low == 0
+    assert lease.outgoing(100.0, renew=True) is None  # not known to be busy: no renewal
     lease.free = 0
     lease.need = 1
     assert lease.outgoing(101.0, renew=True) == (0, 200, 1)
@@ -358,7 +364,8 @@ def test_a_lease_is_sized_to_the_observed_rate_within_its_cap() -> None:
     # Idle for 3 s: the rate is forgotten, the lease shrinks, and so slow a process renews nothing ahead.
     lease.need = 1
     settle, want, need = cast("tuple[int, int, int]", lease.outgoing(3201.0, renew=True))
-    assert (settle, need) == (0, 1) and want == round(20 * math.exp(-3) * 200)
+    assert (settle, need) == (0, 1)
+    assert want == round(20 * math.exp(-3) * 200)
     lease.rate = lease.hit_rate = 0.0
     lease.granted(3201.0, want, 0)
     assert lease.low == 0
@@ -381,13 +388,15 @@ def test_corrections_and_lapsed_units_go_back_with_the_next_sync() -> None:
     assert lease.free == 10
     lease.owe(7)  # admitted on credit while a sync was late
     assert lease.outgoing(1000.0, renew=False) == (7 - 10, 0, 0)  # lapsed: the 10 go back, the 7 are charged
-    assert lease.free == 0 and lease.settle == 0
+    assert lease.free == 0
+    assert lease.settle == 0
     assert lease.outgoing(2000.0, renew=False) is None
 
 
 def test_what_a_lease_knows_of_the_shared_bucket() -> None:
     lease = Lease(limit=600, cap=3, ttl_ms=1000)  # 10 per second come back
-    assert lease.known(0.0) == 600 and not lease.fresh(0.0)  # never synced: a missing key is a full bucket
+    assert lease.known(0.0) == 600  # a missing key is a full bucket
+    assert not lease.fresh(0.0)  # never synced
     lease.granted(0.0, 3, 59_700)  # the shared bucket was left with 600 - 597 = 3 beside these 3
     assert lease.known(0.0) == pytest.approx(6)
     lease.take(2)
@@ -397,7 +406,8 @@ def test_what_a_lease_knows_of_the_shared_bucket() -> None:
     lease.settle = 5  # owed: corrections charge later
     assert lease.remaining(500.0) == 4
     assert lease.wait(500.0, 10) == 600  # 6 missing, 10 a second
-    assert lease.fresh(999.0) and not lease.fresh(1000.0)
+    assert lease.fresh(999.0)
+    assert not lease.fresh(1000.0)
     lease.reset()
     assert (lease.free, lease.settle, lease.known(0.0)) == (0, 0, 600)
 

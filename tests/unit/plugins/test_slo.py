@@ -24,7 +24,8 @@ def test_window_forgets_old_samples() -> None:
         window.add(float(i), float(i * 100), i % 4 == 0)
     count, p95, errors = window.stats(20.0)
     assert count == 10  # samples 10..19
-    assert p95 == pytest.approx(1855.0) and errors == 0.2  # interpolated between 1800 and 1900; 12 and 16 failed
+    assert p95 == pytest.approx(1855.0)  # interpolated between 1800 and 1900
+    assert errors == 0.2  # 12 and 16 failed
 
 
 def test_degrades_on_latency_and_recovers_with_hysteresis() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -71,7 +72,7 @@ def test_body_over_the_limit_is_413(quickstart: RunningGateway) -> None:
     big = b'{"model":"chat-small","messages":[{"role":"user","content":"' + b"x" * 70000 + b'"}]}'
     assert_error(httpx.post(f"{quickstart.base_url}/chat/completions", content=big), 413, "request_too_large")
 
-    def chunks():  # no content-length: the cap must hold while reading
+    def chunks() -> Iterator[bytes]:  # no content-length: the cap must hold while reading
         yield big[:30000]
         yield big[30000:]
 

@@ -125,7 +125,8 @@ def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> di
 
 
 def gateway_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    (container,) = one(objects, "Deployment", "sluice")["spec"]["template"]["spec"]["containers"]
+    containers: list[dict[str, Any]] = one(objects, "Deployment", "sluice")["spec"]["template"]["spec"]["containers"]
+    (container,) = containers
     return container
 
 
@@ -144,7 +145,8 @@ def config_text(objects: list[dict[str, Any]]) -> str:
 
 def secret_values(secret: dict[str, Any]) -> dict[str, str]:
     values = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
-    return values | secret.get("stringData", {})
+    given: dict[str, str] = secret.get("stringData", {})
+    return values | given
 
 
 def pod_env(objects: list[dict[str, Any]], secret: dict[str, str]) -> dict[str, str]:

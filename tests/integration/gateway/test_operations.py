@@ -12,16 +12,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.gateway import free_port, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
 from tests.support.wait import wait_until
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 BACKEND_KEY = "sk-backend-0123456789abcdef"
 CLIENT_KEY = "sk-client-fedcba9876543210"
 
@@ -80,7 +82,7 @@ plugins: [auth]
         assert whole.status_code == streamed.status_code == 200
         rids = {whole.headers["x-request-id"], streamed.headers["x-request-id"]}
 
-        def access() -> list[dict[str, object]]:
+        def access() -> list[dict[str, Any]]:
             lines = [json.loads(line) for line in gw.log_text().splitlines() if line.startswith("{")]
             found = [line for line in lines if line["logger"] == "sluice.access"]
             return found if len(found) == 2 else []
@@ -120,7 +122,7 @@ backends: {{main: {{type: openai, base_url: "{upstream.url}/v1", api_key: {BACKE
 models: {{chat: {{backend: main}}}}
 """
     with gateway_process(config, tmp_path, "--log-level", "info") as gw:
-        text = wait_until(lambda: "Uvicorn running" in gw.log_text() and gw.log_text())
+        text = wait_until(lambda: gw.log_text() if "Uvicorn running" in gw.log_text() else "")
     first = text.splitlines()[0].split()
     assert first[0].endswith("Z")
     assert first[1] in {"INFO", "WARNING"}
@@ -202,7 +204,7 @@ shutdown: {{grace_s: 3}}
             def stream(index: int) -> None:
                 body = {"model": "chat", "messages": MESSAGES, "stream": True}
                 with httpx.stream("POST", f"{gw.base_url}/chat/completions", json=body, timeout=60) as response:
-                    parts = []
+                    parts: list[str] = []
                     for chunk in response.iter_text():
                         if not parts:
                             opened.release()

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.upstream import (
@@ -24,7 +25,7 @@ from tests.support.upstream import (
     Status,
 )
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture()

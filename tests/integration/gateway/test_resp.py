@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -186,7 +187,7 @@ SCENARIOS = [test for name, test in list(globals().items()) if name.startswith("
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda test: test.__name__.removeprefix("test_"))
-def test_on_uvloop(scenario: Callable[[RedisServer], Awaitable[None]], redis_server: RedisServer) -> None:
+def test_on_uvloop(scenario: Callable[[RedisServer], Coroutine[Any, Any, None]], redis_server: RedisServer) -> None:
     """Every scenario above again on uvloop, the loop the gateway serves on: its transports are not asyncio's."""
     uvloop = pytest.importorskip("uvloop")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -127,7 +127,7 @@ def test_another_tenant_cannot_see_a_response(gateway: RunningGateway, upstream:
     ):
         with pytest.raises(openai.NotFoundError) as caught:
             call()
-        assert caught.value.body == {  # type: ignore[comparison-overlap]
+        assert caught.value.body == {
             "message": f"Response with id '{made.id}' not found.",
             "type": "invalid_request_error",
             "param": "response_id",

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -34,7 +35,7 @@ from tests.support.upstream import Ok, ScriptedUpstream, Status
 from tests.support.wait import wait_until
 
 KEY, KEY_HASH = new_key()
-MESSAGES = [{"role": "user", "content": "What is a sluice?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is a sluice?"}]
 ROOT = "POST /v1/chat/completions"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

@@ -11,13 +11,14 @@ from typing import Any
 
 import httpx
 import trustme
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.simulation import Profile
 from gateway.tools.sim import start_server
 from tests.support.gateway import free_port, gateway_thread
 from tests.support.wait import wait_until
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 def config(port: int, tls: str) -> str:
@@ -105,7 +106,7 @@ def test_http2_backend(tmp_path: Path) -> None:
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     server = threading.Thread(
-        target=lambda: loop.run_until_complete(serve(h2_upstream, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+        target=lambda: loop.run_until_complete(serve(h2_upstream, config, shutdown_trigger=stop.wait))
     )
     server.start()
     try:

@@ -4,15 +4,17 @@ and the details of an error that the client does need (Azure's content-filter re
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream, Status
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture()
@@ -99,8 +101,10 @@ def test_azure_content_filter_details_reach_the_client(gateway: RunningGateway, 
         "code": "ResponsibleAIPolicyViolation",
         "content_filter_result": {"hate": {"filtered": True, "severity": "high"}},
     }
-    filtered = {"error": {"message": "filtered", "type": None, "param": "prompt", "code": "content_filter"}}
-    filtered["error"]["innererror"] = inner  # type: ignore[index]
+    filtered: dict[str, dict[str, Any]] = {
+        "error": {"message": "filtered", "type": None, "param": "prompt", "code": "content_filter"}
+    }
+    filtered["error"]["innererror"] = inner
     primary.script(Status(400, filtered))
     client = openai.OpenAI(base_url=gateway.base_url, api_key="sk-client", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from plugins.auth.keys import new_key
-from tests.integration.gateway.test_telemetry import OtlpReceiver, metric, scrape
+from tests.integration.gateway.test_telemetry import OtlpReceiver, Span, metric, scrape
 from tests.support.gateway import RunningGateway, free_port, gateway_thread, wait_ready
 from tests.support.upstream import Ok, ScriptedUpstream
 
@@ -107,7 +107,11 @@ def test_streams_report_usage_whether_the_client_asked_or_not(
         assert [body.get("stream_options") for body in sent[:2]] == [{"include_usage": True}] * 2
 
     for rid in (f"{model}-plain", f"{model}-asked"):
-        spans = receiver.wait(lambda spans, rid=rid: any(s.attributes.get("sluice.request_id") == rid for s in spans))
+
+        def answered(spans: list[Span], rid: str = rid) -> bool:
+            return any(s.attributes.get("sluice.request_id") == rid for s in spans)
+
+        spans = receiver.wait(answered)
         (root,) = [s for s in spans if s.attributes.get("sluice.request_id") == rid]
         (call,) = [s for s in spans if s.trace_id == root.trace_id and s.name == f"chat {model}"]
         assert call.attributes["gen_ai.usage.output_tokens"] == TOKENS

@@ -10,6 +10,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_thread
@@ -19,7 +20,7 @@ from tests.support.wait import wait_until
 
 ACME, ACME_HASH = new_key()
 GLOBEX, GLOBEX_HASH = new_key()
-MESSAGES = [{"role": "user", "content": "What is a sluice?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is a sluice?"}]
 
 
 def config(upstream: str, redis_url: str = "") -> str:
@@ -255,6 +256,7 @@ def test_a_miss_reads_redis_once_and_the_entry_is_stored_as_sent(
     assert len(records) == 12
     answers = []
     for record in records:
+        assert isinstance(record, bytes)
         header, _, answer = record.partition(b"\n")
         endpoint, served, fresh_until = orjson.loads(header)
         assert (endpoint, served) == ("chat/completions", "chat")

@@ -16,6 +16,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.config import parse
 from gateway.store import Store
@@ -25,7 +26,7 @@ from tests.support.redis import RedisServer
 from tests.support.wait import until
 
 KEY = "sk-sluice-acme-test-key"
-MESSAGES = [{"role": "user", "content": "hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 GO_DURATION = re.compile(r"(\d+h)?(\d+m)?(\d+(\.\d+)?s|\d+ms)")
 
 
@@ -89,7 +90,7 @@ def test_requests_limit_is_shared_by_two_processes(
         assert refused.headers["x-ratelimit-limit-requests"] == "10"
 
         with pytest.raises(openai.RateLimitError) as caught:
-            sdk(gateways[1]).chat.completions.create(model="chat", messages=MESSAGES)  # type: ignore[arg-type]
+            sdk(gateways[1]).chat.completions.create(model="chat", messages=MESSAGES)
         assert caught.value.status_code == 429
         assert caught.value.code == "rate_limit_exceeded"
         assert caught.value.type == "requests"
@@ -107,7 +108,7 @@ def test_sdk_retries_after_retry_after(redis_server: RedisServer, http: httpx.Cl
         wait_s = int(probe.headers["retry-after-ms"]) / 1000
         assert wait_s > 1.0
         started = time.monotonic()
-        raw = sdk(gw, max_retries=1).chat.completions.with_raw_response.create(model="chat", messages=MESSAGES)  # type: ignore[arg-type]
+        raw = sdk(gw, max_retries=1).chat.completions.with_raw_response.create(model="chat", messages=MESSAGES)
         elapsed = time.monotonic() - started
         assert raw.http_response.status_code == 200
         assert raw.retries_taken == 1  # the gateway saw two attempts: the 429, then the retry
@@ -142,7 +143,7 @@ def test_tokens_reservation_and_usage_refund(redis_server: RedisServer, http: ht
         gw.settle()
         # A reservation larger than the bucket waits for a full one: refused while tokens are still in use.
         with pytest.raises(openai.RateLimitError) as caught:
-            sdk(gw).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1995)  # type: ignore[arg-type]
+            sdk(gw).chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1995)
         assert caught.value.code == "rate_limit_exceeded"
         assert caught.value.type == "tokens"
         assert "on tokens per min (TPM): Limit 2000" in str(caught.value)

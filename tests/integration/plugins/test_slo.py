@@ -9,11 +9,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream, Stall, Status
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture()
@@ -85,9 +86,9 @@ def test_slow_primary_degrades_to_the_fallback_and_recovers(large: ScriptedUpstr
 
         large.default = Ok(ttft_ms=100, tpot_ms=5, tokens=4)  # the primary comes back
         deadline = time.monotonic() + 10
-        served = []
-        while time.monotonic() < deadline and served[-4:] != ["chat-large"] * 4:  # probes alone are 1 in 4
-            served.append(stream(gw)[1])
+        models: list[str] = []
+        while time.monotonic() < deadline and models[-4:] != ["chat-large"] * 4:  # probes alone are 1 in 4
+            models.append(stream(gw)[1])
         recovered_after = time.monotonic() - (deadline - 10)
         assert recovered_after < 5  # within the cool-down plus a few probes
         after = [stream(gw)[1] for _ in range(12)]

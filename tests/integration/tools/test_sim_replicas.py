@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.standins import Standins, standin
 
@@ -23,7 +24,7 @@ def client(server: Standins, replica: int = 0) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=server.base_url(replica), api_key="x", max_retries=0)
 
 
-async def turn(server: Standins, replica: int, messages: list[dict[str, str]]) -> tuple[float, int, str]:
+async def turn(server: Standins, replica: int, messages: list[ChatCompletionMessageParam]) -> tuple[float, int, str]:
     """(time to first content, cached prompt tokens, answer) of one streamed chat turn."""
     async with client(server, replica) as sdk:
         start = time.monotonic()
@@ -31,7 +32,7 @@ async def turn(server: Standins, replica: int, messages: list[dict[str, str]]) -
             model="sim",
             messages=messages,
             stream=True,
-            stream_options={"include_usage": True},  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
         )
         ttft, cached, text = 0.0, -1, ""
         async for chunk in stream:
@@ -46,9 +47,16 @@ async def turn(server: Standins, replica: int, messages: list[dict[str, str]]) -
 
 async def test_a_later_turn_hits_the_prefix_cache_of_its_replica_only() -> None:
     with standin(replicas=2, ttft_ms=5, prefill_ms_per_token=2.0, tokens=4) as server:
-        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello there"}]
+        first: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "hello there"},
+        ]
         cold_ttft, cold_cached, answer = await turn(server, 0, first)
-        second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then"}]
+        second: list[ChatCompletionMessageParam] = [
+            *first,
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "and then"},
+        ]
         warm_ttft, warm_cached, _ = await turn(server, 0, second)
         other_ttft, other_cached, _ = await turn(server, 1, second)
 
@@ -106,9 +114,9 @@ async def test_requests_beyond_the_batch_wait_in_the_queue() -> None:
         assert server.stats()["finished"] == 5
 
 
-async def token_gaps(server: Standins, messages: list[dict[str, str]]) -> list[float]:
+async def token_gaps(server: Standins, messages: list[ChatCompletionMessageParam]) -> list[float]:
     async with client(server) as sdk:
-        stream = await sdk.chat.completions.create(model="sim", messages=messages, stream=True)  # type: ignore[arg-type]
+        stream = await sdk.chat.completions.create(model="sim", messages=messages, stream=True)
         stamps = [time.monotonic() async for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
     return [b - a for a, b in itertools.pairwise(stamps)]
 
@@ -123,7 +131,7 @@ async def test_decode_slows_down_as_the_batch_grows() -> None:
     assert batch_gap > 2.5 * lone_gap, (lone_gap, batch_gap)
 
 
-def prompt(tag: str) -> list[dict[str, str]]:
+def prompt(tag: str) -> list[ChatCompletionMessageParam]:
     """A prompt of 4 + 70 = 74 tokens: 4 full blocks of 16, all of which a repeat can hit."""
     return [{"role": "user", "content": " ".join(f"{tag}{i}" for i in range(70))}]
 
@@ -226,7 +234,7 @@ async def test_a_client_that_leaves_frees_its_batch_slot_and_its_queue_place() -
                 # The queued client left: its place is given up.
                 await wait_for(lambda: server.metrics()["vllm:num_requests_waiting"] == 0)
                 assert server.metrics()["vllm:num_requests_running"] == 1
-                await chunks.aclose()
+                await running.aclose()
             # The running client left mid-stream: its slot is free long before its 200 tokens were due.
             await wait_for(lambda: server.metrics()["vllm:num_requests_running"] == 0, timeout=5.0)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import orjson
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageFunctionToolCall
 
 from gateway.completion import assemble, events, replay
 
@@ -54,7 +54,9 @@ def test_tool_calls_are_merged() -> None:
     assert answer is not None
     message = ChatCompletion.model_validate(answer).choices[0].message
     assert message.tool_calls is not None
-    assert message.tool_calls[0].function.arguments == '{"a": 1}'
+    tool_call = message.tool_calls[0]
+    assert isinstance(tool_call, ChatCompletionMessageFunctionToolCall)
+    assert tool_call.function.arguments == '{"a": 1}'
     assert assemble("chat/completions", replay("chat/completions", answer, False)) == answer
 
 

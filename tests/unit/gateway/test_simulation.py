@@ -14,10 +14,12 @@ import pytest
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from gateway.completion import DONE_EVENT as DONE
+from gateway.completion import sse
 from gateway.context import Exchange, Target
 from gateway.pool import ResponseClosed
 from gateway.providers.simulated import SimulatedProvider
-from gateway.simulation import DONE, JSON, SSE, WORDS, Profile, Reply, chat_tokens, error_reply, simulate, sse
+from gateway.simulation import JSON, SSE, WORDS, Profile, Reply, chat_tokens, error_reply, simulate
 
 PROFILE = Profile(ttft_ms=100.0, tpot_ms=10.0, tokens=6, embedding_dim=8)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
@@ -84,7 +86,7 @@ def test_chat_text_has_one_known_word_per_token() -> None:
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_a_lower_token_limit_cuts_the_answer_with_finish_reason_length(field: str) -> None:
-    answer = body(chat(**{field: 3}))
+    answer = body(chat(PROFILE, **{field: 3}))
     assert answer["usage"]["completion_tokens"] == 3
     assert len(answer["choices"][0]["message"]["content"].split(" ")) == 3
     assert answer["choices"][0]["finish_reason"] == "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import MutableMapping
 from typing import Any
 
 import orjson
@@ -53,7 +54,7 @@ async def relay(reads: list[bytes], mode: int) -> tuple[bytes, bytes, Outcome]:
     sent: list[bytes] = []
     tapped: list[bytes] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message["body"])
 
     outcome = Outcome(status=200)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 import tracemalloc
+from typing import Any
 
 import orjson
 
@@ -15,7 +16,7 @@ from plugins.cache import ENTRY_OVERHEAD, Cache, Entry
 from plugins.cache_l1 import L1
 from tests.support.plugins import make
 
-ANSWER = {
+ANSWER: dict[str, Any] = {
     "id": "chatcmpl-1",
     "object": "chat.completion",
     "created": 1,

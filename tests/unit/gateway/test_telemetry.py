@@ -708,4 +708,5 @@ def test_a_routed_request_has_a_route_span_naming_the_endpoint(
         "sluice.route.score": 0.75,
     }
     client = spans["chat chat-large"].attributes
-    assert client is not None and (client["server.address"], client["server.port"]) == ("10.0.0.7", 8000)
+    assert client is not None
+    assert (client["server.address"], client["server.port"]) == ("10.0.0.7", 8000)

@@ -26,7 +26,8 @@ def test_prompt_blocks_chain_so_a_later_turn_shares_the_earlier_turns_blocks() -
     first = "a" * 700
     one = prompt_blocks(chat(first), 256, 256 * 64, 64)
     two = prompt_blocks(chat(first, "b" * 700), 256, 256 * 64, 64)
-    assert len(one) == 2 and len(two) == 5  # full blocks only
+    assert len(one) == 2
+    assert len(two) == 5
     assert two[:2] == one
     other = prompt_blocks(chat("c" + first[1:], "b" * 700), 256, 256 * 64, 64)
     assert not set(other) & set(two)  # a block's hash covers everything before it
@@ -61,7 +62,8 @@ async def test_sessions_stick_and_move_minimally_when_endpoints_change() -> None
     gone = endpoints[2]
     after = {key: policy.pick(key, [e for e in endpoints if e is not gone], 0.0)[0] for key in keys}
     moved = [key for key in keys if before[key] is not after[key]]
-    assert moved and all(before[key] is gone for key in moved)
+    assert moved
+    assert all(before[key] is gone for key in moved)
     for endpoint in endpoints:
         await endpoint.aclose()
 
@@ -90,13 +92,14 @@ async def test_discovery_adds_warm_endpoints_and_drains_removed_ones() -> None:
             assert (host, port) == ("replicas.example", up.port)
             return answers.pop(0)
 
-        backend = OpenAIBackend(type="openai", discovery={"dns": "replicas.example", "port": up.port})  # type: ignore[arg-type]
+        backend = OpenAIBackend(type="openai", discovery={"dns": "replicas.example", "port": up.port})
         endpoints = Endpoints("b", backend, LIMITS, None, Health("b"), resolver=resolver)
         await endpoints.start()
         try:
             assert [e.label for e in endpoints.all] == [f"127.0.0.1:{up.port}"]
             assert endpoints.health.state == "up"
-            assert endpoints.all[0].pool is not None and endpoints.all[0].pool.idle == 1
+            assert endpoints.all[0].pool is not None
+            assert endpoints.all[0].pool.idle == 1
             await endpoints.refresh()
             assert [e.label for e in endpoints.all] == [f"127.0.0.1:{up.port}", f"127.0.0.2:{up.port}"]
             first = endpoints.all[0]
@@ -105,7 +108,7 @@ async def test_discovery_adds_warm_endpoints_and_drains_removed_ones() -> None:
             assert first not in endpoints.live
             assert first.pool is not None
             deadline = time.monotonic() + 5
-            while first.pool.size and time.monotonic() < deadline:  # drained, then closed
+            while first.pool.size and time.monotonic() < deadline:  # noqa: ASYNC110 - drained, then closed
                 await asyncio.sleep(0.01)
             assert first.pool.size == 0
             await endpoints.refresh()  # no addresses: the last known set is kept
@@ -118,7 +121,7 @@ async def test_outlier_ejection_never_takes_the_last_healthy_endpoint() -> None:
     backend = OpenAIBackend(
         type="openai",
         endpoints=["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1", "http://127.0.0.1:11/v1"],
-        outlier={"consecutive_failures": 2, "max_ejected_percent": 100},  # type: ignore[arg-type]
+        outlier={"consecutive_failures": 2, "max_ejected_percent": 100},
     )
     endpoints = Endpoints("b", backend, PoolLimits(warm=0), None, Health("b"))
     await endpoints.start()
@@ -133,12 +136,14 @@ async def test_outlier_ejection_never_takes_the_last_healthy_endpoint() -> None:
         first = endpoints.all[0]
         assert first.ejected_until - now == 1.0
         endpoints._relive(now + 1.5)
-        assert first.probing and first in endpoints.live
+        assert first.probing
+        assert first in endpoints.live
         endpoints.failed(first, "test", now + 1.5)
         assert first.ejected_until - (now + 1.5) == 2.0
         endpoints._relive(now + 4.0)
         endpoints.succeeded(first)
-        assert not first.probing and first.ejections == 0
+        assert not first.probing
+        assert first.ejections == 0
     finally:
         await endpoints.aclose()
 

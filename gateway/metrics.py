@@ -295,14 +295,14 @@ class Metrics:
         registry = self.registry
         if self.directory is not None:
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, self.directory)  # type: ignore[no-untyped-call]
+            MultiProcessCollector(registry, self.directory)
         encode, content_type = choose_encoder(accept)
         return encode(registry), content_type
 
     def close(self) -> None:
         if self.directory is not None:
             # This process's gauges (in flight, and the plugins') stop counting; its counters stay in the sums.
-            mark_process_dead(os.getpid(), self.directory)  # type: ignore[no-untyped-call]
+            mark_process_dead(os.getpid(), self.directory)
 
 
 class Meter:

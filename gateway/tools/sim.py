@@ -180,7 +180,8 @@ class _Connection(asyncio.Protocol):
         """Write `out` and every piece already due in one go, then wait for the next piece or finish."""
         reply = self.reply
         transport = self.transport
-        assert reply is not None and transport is not None
+        assert reply is not None
+        assert transport is not None
         pieces = reply.pieces
         now = self.loop.time()
         while self.index < len(pieces) and self._due_at(self.index) <= now:

@@ -92,7 +92,7 @@ async def run(
     }
     http = server(apps)
     serving = asyncio.ensure_future(http.serve(sockets=bound))
-    while not http.started and not serving.done():
+    while not http.started and not serving.done():  # noqa: ASYNC110 (uvicorn's `started` is a flag, with no event)
         await asyncio.sleep(0.01)
     if http.started and started is not None:
         started(http)

@@ -66,7 +66,7 @@ JSON_TYPE = (b"content-type", b"application/json")
 SSE_TYPE = (b"content-type", b"text/event-stream")
 HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
 # What an L1 entry costs beyond its bytes: the key (an 80-character str), the Entry and its bytes object,
-# L1's two dict slots; measured with tracemalloc (see tests/unit/test_cache_memory.py), with room to spare.
+# L1's two dict slots; measured with tracemalloc (see tests/unit/plugins/test_cache_memory.py), with room to spare.
 ENTRY_OVERHEAD = 800
 WRITE_BATCH = 64  # SETs per pipelined round trip
 MAX_PENDING_WRITES = 4096  # beyond this (Redis slow), the oldest queued writes are dropped

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from gateway.context import Exchange
 from gateway.metrics import Meter, Metrics
@@ -14,7 +14,14 @@ if TYPE_CHECKING:
     from gateway.runtime import Runtime
     from gateway.store import Store
 
-P = TypeVar("P")
+
+class Named(Protocol):
+    """A plugin class, as far as `make` needs it: the name of its config section."""
+
+    name: ClassVar[str]
+
+
+P = TypeVar("P", bound=Named)
 
 
 class GreeterSection(Strict):

@@ -157,7 +157,7 @@ class RedisCluster:
                 ranges = client.execute_command("CLUSTER", "SLOTS")
             except redis.RedisError:
                 return False
-        covered = sum(end - start + 1 for start, end, master, *_ in ranges if master[1] in live)
+        covered: int = sum(end - start + 1 for start, end, master, *_ in ranges if master[1] in live)
         return covered == 16384
 
     def client(self, port: int) -> redis.Redis:

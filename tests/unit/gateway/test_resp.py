@@ -1,0 +1,84 @@
+"""The RESP client's parts that need no server: encoding, URLs, hash slots, replies arriving byte by byte."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.cluster import key_of, slot
+from gateway.resp import Batch, Connection, ReplyError, encode, node_urls, parse_url
+
+
+def test_commands_are_encoded_as_arrays_of_bulk_strings() -> None:
+    assert encode(("SET", b"k\r\n", 5, 0.5)) == b"*4\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$1\r\n5\r\n$3\r\n0.5\r\n"
+
+
+def test_urls_give_addresses_credentials_database_and_tls() -> None:
+    addresses, options, cluster = parse_url("redis://u%40x:p%3Aw@10.0.0.1:6380/3")
+    assert addresses == [("10.0.0.1", 6380)]
+    assert not cluster
+    assert (options.username, options.password, options.db, options.tls) == ("u@x", "p:w", 3, None)
+    addresses, options, cluster = parse_url("rediss+cluster://:secret@a:7000,b:7001,[::1]:7002", timeout_s=0.1)
+    assert addresses == [("a", 7000), ("b", 7001), ("::1", 7002)]
+    assert cluster
+    assert options.password == "secret"
+    assert options.username is None
+    assert options.tls is not None
+    assert options.timeout_s == 0.1
+    assert parse_url("redis://localhost")[0] == [("localhost", 6379)]
+    with pytest.raises(ValueError, match="scheme"):
+        parse_url("http://localhost:6379")
+
+
+def test_a_cluster_url_gives_one_plain_url_per_seed_for_library_clients() -> None:
+    assert node_urls("rediss+cluster://u:p@a:1,b:2?ssl_cert_reqs=none") == [
+        "rediss://u:p@a:1?ssl_cert_reqs=none",
+        "rediss://u:p@b:2?ssl_cert_reqs=none",
+    ]
+    assert node_urls("redis://h:6379/2") == ["redis://h:6379/2"]
+
+
+def test_hash_slots_match_redis_and_honour_hash_tags() -> None:
+    assert slot("foo") == 12182  # CLUSTER KEYSLOT foo
+    assert slot("123456789") == 0x31C3 % 16384  # the CRC16-XMODEM check value
+    assert slot("sluice:rl:{acme}:tokens") == slot("sluice:rl:{acme}:requests") == slot("acme")
+    assert slot("a{}b") != slot("")  # an empty tag is no tag: the whole key counts
+    assert slot(b"x{y}z{w}") == slot("y")
+
+
+def test_scripts_are_routed_by_their_first_key_and_keyless_commands_by_none() -> None:
+    assert key_of(("EVALSHA", "abc", 2, "k1", "k2", "arg")) == "k1"
+    assert key_of(("EVALSHA", "abc", 0, "arg")) is None
+    assert key_of(("GET", "k")) == "k"
+    assert key_of(("PING",)) is None
+    assert key_of(("SCRIPT", "LOAD", "x")) is None
+
+
+async def test_replies_split_anywhere_reach_their_callers_in_order() -> None:
+    loop = asyncio.get_running_loop()
+    connection = Connection(lambda _: None)
+    first, second, third = loop.create_future(), loop.create_future(), loop.create_future()
+    batch = Batch(third, 2)
+    for waiter in (first, second, batch):
+        connection.pending.append(waiter)
+    stream = b"$5\r\nhello\r\n-ERR wrong\r\n*2\r\n:1\r\n$-1\r\n+OK\r\n"
+    for i in range(len(stream)):
+        connection.data_received(stream[i : i + 1])
+        if i < 10:
+            assert not first.done()
+    assert first.result() == b"hello"
+    with pytest.raises(ReplyError, match="ERR wrong"):
+        second.result()
+    assert third.result() == [[1, None], b"OK"]
+    assert not connection.pending
+
+
+async def test_a_reply_for_a_call_that_gave_up_is_dropped_in_its_turn() -> None:
+    loop = asyncio.get_running_loop()
+    connection = Connection(lambda _: None)
+    gone, waiting = loop.create_future(), loop.create_future()
+    gone.cancel()
+    connection.pending.extend((gone, waiting))
+    connection.data_received(b"$5\r\nstale\r\n$5\r\nfresh\r\n")
+    assert waiting.result() == b"fresh"

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.tools import bench_cache, bench_core, bench_full, bench_tenants, bench_tracing
+from gateway.tools import bench_cache, bench_core, bench_full, bench_scale, bench_tenants, bench_tracing
 from gateway.tools.bench_fleet import BenchError, machine, placement
 from gateway.tools.bench_report import Report, command_line, judge
 from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
@@ -37,7 +37,7 @@ from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
 __all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", "add_arguments", "main", "run"]
 
 T = TypeVar("T")
-SCENARIOS = ("core", "tenants", "cache", "tracing", "full")
+SCENARIOS = ("core", "tenants", "cache", "tracing", "full", *bench_scale.OWN_PROCESSES)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -61,7 +61,11 @@ SMOKE = replace(
 
 
 def run(options: BenchOptions) -> Report:
-    """Start the upstreams, helpers and gateways, run the scenarios, stop everything, and return the figures."""
+    """Start the upstreams, helpers and gateways, run the scenarios, stop everything, and return the figures.
+
+    The scenarios that start their own processes are left out: `main` runs them after this.
+    """
+    options = replace(options, scenarios=tuple(n for n in options.scenarios if n not in bench_scale.OWN_PROCESSES))
     started = time.perf_counter()
     where = placement(options.pin)
     names = options.scenarios
@@ -178,16 +182,23 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
     """Run, print the report, write it with --write; 0 when every request succeeded."""
     if isinstance(options, argparse.Namespace):
         options = options_from_args(options)
+    # The scenarios that start their own processes run after the rig's, which they would disturb.
+    own = tuple(name for name in options.scenarios if name in bench_scale.OWN_PROCESSES)
+    rigged = tuple(name for name in options.scenarios if name not in own)
+    reports: list[Report | bench_scale.ScaleReport] = []
     try:
-        report = run(options)
+        if rigged:
+            reports.append(run(options))
+        if own:
+            reports.append(run_loop(bench_scale.measure(replace(options, scenarios=own))))
     except BenchError as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
-    text = report.markdown()
+    text = "\n".join(report.markdown() for report in reports)
     print(text, end="")
     if options.write:
         Path(options.write).write_text(text)
-    return 0 if report.errors == 0 else 1
+    return 0 if all(report.errors == 0 for report in reports) else 1
 
 
 if __name__ == "__main__":

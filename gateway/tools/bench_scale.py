@@ -12,13 +12,14 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from gateway.tools import bench_workers
+from gateway.tools import bench_streams, bench_workers
 from gateway.tools.bench_figures import Check
 from gateway.tools.bench_fleet import machine
 from gateway.tools.bench_rig import BenchOptions
+from gateway.tools.bench_streams import Streams
 from gateway.tools.bench_workers import Workers
 
-OWN_PROCESSES = ("workers",)
+OWN_PROCESSES = ("workers", "streams")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +29,16 @@ class ScaleReport:
     machine: str
     seconds: float
     workers: Workers | None
+    streams: Streams | None
 
     @property
     def errors(self) -> int:
-        return sum(part.errors for part in (self.workers,) if part is not None)
+        return sum(part.errors for part in (self.workers, self.streams) if part is not None)
 
     @property
     def checks(self) -> list[Check]:
-        return bench_workers.checks(self.workers) if self.workers is not None else []
+        found = bench_workers.checks(self.workers) if self.workers is not None else []
+        return found + (bench_streams.checks(self.streams) if self.streams is not None else [])
 
     def markdown(self) -> str:
         lines = [
@@ -58,6 +61,8 @@ class ScaleReport:
         ]
         if self.workers is not None:
             lines += [*bench_workers.render(self.workers), ""]
+        if self.streams is not None:
+            lines += [*bench_streams.render(self.streams), ""]
         load = os.getloadavg()
         lines += [f"- Load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", ""]
         return "\n".join(lines)
@@ -70,4 +75,5 @@ async def measure(options: BenchOptions) -> ScaleReport:
     env = dict(os.environ)
     names = options.scenarios
     workers = await bench_workers.measure(options, env) if "workers" in names else None
-    return ScaleReport(options, date, about, time.perf_counter() - started, workers)
+    streams = await bench_streams.measure(options, env) if "streams" in names else None
+    return ScaleReport(options, date, about, time.perf_counter() - started, workers, streams)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.tools import bench, bench_scale
+from gateway.tools import bench, bench_scale, bench_streams
 
 COMMAND = "sluice bench --smoke --scenario workers,streams"
 
@@ -44,3 +44,17 @@ def test_the_page_judges_the_targets(report: bench_scale.ScaleReport) -> None:
 def test_own_process_scenarios_are_named_and_left_out_of_the_rig() -> None:
     assert bench.scenario_names("workers,core") == ("core", "workers")
     assert set(bench_scale.OWN_PROCESSES) <= set(bench.scenario_names("all"))
+
+
+def test_streams_all_completed_through_one_worker(report: bench_scale.ScaleReport) -> None:
+    s = report.streams
+    assert s is not None
+    assert s.errors == 0, s.failures
+    assert s.completed == s.shape.streams == bench_streams.SHAPES["smoke"].streams
+    assert s.expected_events == s.shape.tokens + 2  # as the upstream sends them: the tokens, a finish event, [DONE]
+    assert len(s.ttft_ms) == len(s.connect_ms) == len(s.head_ms) == s.completed
+    assert min(s.ttft_ms) >= s.shape.ttft_ms - 1.0  # the upstream's first-token delay (a millisecond timer) is a floor
+    assert len(s.own_ms) == s.completed  # every response carried the gateway's own view
+    assert 0 < s.idle_rss_mb <= s.peak_rss_mb
+    assert math.isfinite(s.added(0.99))
+    assert "## Streams: concurrency in one worker" in report.markdown()

@@ -10,7 +10,8 @@ gateway CPU read from /proc.
 
 Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare gateway, the default),
 `tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss), `tracing` (OTLP
-export at two sample ratios) and `full` (every stage on at once, every request a cache miss). This module
+export at two sample ratios), `full` (every stage on at once, every request a cache miss), and, with processes
+of their own (bench_scale), `workers` (one worker against two) and `streams` (10,000 streams in one). This module
 parses the command line and runs them in order; the load is in bench_load, the processes in bench_fleet and
 bench_rig, each scenario in its own module, the page in bench_report.
 """

@@ -76,6 +76,7 @@ class Streams:
     connect_ms: list[float]  # from the start of a stream: its connection accepted
     head_ms: list[float]  # its response head read
     seconds: float  # the load generator's, start to last stream ended
+    gateway_cpu_s: float  # the gateway's, over the same time
 
     @property
     def rss_kb_per_stream(self) -> float:
@@ -147,6 +148,7 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
             *("--port", str(gateway_port), "--reference-port", str(port), "--streams", str(shape.streams)),
             *("--open-seconds", f"{shape.open_seconds:g}", "--ttft-ms", f"{shape.ttft_ms:g}"),
         )
+        cpu = gateway.cpu_seconds()
         budget = shape.open_seconds + shape.stream_seconds + 60.0
         try:
             done = await asyncio.to_thread(subprocess.run, load, capture_output=True, env=env, timeout=budget)
@@ -156,6 +158,7 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
         if done.returncode != 0:
             raise BenchError(f"streams: the load generator failed: {done.stderr.decode(errors='replace')[-2000:]}")
         peak = status_rss_mb(gateway.popen.pid, "VmHWM:")
+        cpu = gateway.cpu_seconds() - cpu
     finally:
         for child in reversed(children):
             child.stop()
@@ -173,6 +176,7 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
         connect_ms=found["connect_ms"],
         head_ms=found["head_ms"],
         seconds=found["seconds"],
+        gateway_cpu_s=cpu,
     )
 
 
@@ -203,6 +207,8 @@ def render(s: Streams) -> list[str]:
         "",
         f"- Each complete stream: {s.expected_events} events with `[DONE]`, as one straight from the upstream. "
         f"Failures: {failures}.",
+        f"- Gateway CPU: {s.gateway_cpu_s:.1f} s over the load generator's {s.seconds:.0f} s "
+        f"({100.0 * s.gateway_cpu_s / s.seconds:.0f} % of a core; {1000.0 / sh.tpot_ms:g} token/s a stream).",
         f"- From a stream's start, connected / head / first token: p50 {s.steps(0.5)} ms, p99 {s.steps(0.99)} ms.",
         f"- TTFT added = TTFT through the gateway - the upstream's configured {sh.ttft_ms:g} ms: the upstream's "
         "own delay at this concurrency is in it, so it bounds the gateway's from above.",

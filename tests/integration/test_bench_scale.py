@@ -56,5 +56,6 @@ def test_streams_all_completed_through_one_worker(report: bench_scale.ScaleRepor
     assert min(s.ttft_ms) >= s.shape.ttft_ms - 1.0  # the upstream's first-token delay (a millisecond timer) is a floor
     assert len(s.own_ms) == s.completed  # every response carried the gateway's own view
     assert 0 < s.idle_rss_mb <= s.peak_rss_mb
+    assert s.gateway_cpu_s > 0
     assert math.isfinite(s.added(0.99))
     assert "## Streams: concurrency in one worker" in report.markdown()

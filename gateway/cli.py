@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from gateway import logs
+    from gateway import descriptors, logs
     from gateway.settings import Listen, LogSettings
 
     settings = _config(args.config)
@@ -61,6 +61,7 @@ def serve(args: argparse.Namespace) -> None:
     settings = settings.model_copy(update={"listen": listen, "log": log})
     log_config = logs.config(log.level, log.format)
     logging.config.dictConfig(log_config)
+    descriptors.log_limit(*descriptors.raise_limit())  # before uvicorn binds and forks: workers inherit it
     from gateway.app import SERVER_OPTIONS
 
     options: dict[str, object] = {

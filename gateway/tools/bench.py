@@ -10,8 +10,9 @@ gateway CPU read from /proc.
 
 Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare gateway, the default),
 `tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss), `tracing` (OTLP
-export at two sample ratios), `full` (every stage on at once, every request a cache miss) and `routing` (the
-route policies over simulated replicas, bench_routing; not in `all`). This module parses the command line
+export at two sample ratios), `full` (every stage on at once, every request a cache miss), and, with processes
+of their own (bench_scale), `workers` (one worker against two) and `streams` (10,000 streams in one); `routing`
+(the route policies over simulated replicas, bench_routing) is not in `all`. This module parses the command line
 and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
 in its own module, the page in bench_report.
 """
@@ -30,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.tools import bench_cache, bench_core, bench_full, bench_tenants, bench_tracing
+from gateway.tools import bench_cache, bench_core, bench_full, bench_scale, bench_tenants, bench_tracing
 from gateway.tools.bench_fleet import BenchError, machine, placement
 from gateway.tools.bench_report import Report, command_line, judge
 from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
@@ -38,7 +39,7 @@ from gateway.tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
 __all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", "add_arguments", "main", "run"]
 
 T = TypeVar("T")
-SCENARIOS = ("core", "tenants", "cache", "tracing", "full")
+SCENARIOS = ("core", "tenants", "cache", "tracing", "full", *bench_scale.OWN_PROCESSES)
 # Run by its own module with its own replicas and gateway (gateway/tools/bench_routing.py); not part of `all`.
 ROUTING = "routing"
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
@@ -64,7 +65,11 @@ SMOKE = replace(
 
 
 def run(options: BenchOptions) -> Report:
-    """Start the upstreams, helpers and gateways, run the scenarios, stop everything, and return the figures."""
+    """Start the upstreams, helpers and gateways, run the scenarios, stop everything, and return the figures.
+
+    The scenarios that start their own processes are left out: `main` runs them after this.
+    """
+    options = replace(options, scenarios=tuple(n for n in options.scenarios if n not in bench_scale.OWN_PROCESSES))
     started = time.perf_counter()
     where = placement(options.pin)
     names = options.scenarios
@@ -190,16 +195,24 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != ROUTING))
         if not options.scenarios or status:
             return status
+
+    # The scenarios that start their own processes run after the rig's, which they would disturb.
+    own = tuple(name for name in options.scenarios if name in bench_scale.OWN_PROCESSES)
+    rigged = tuple(name for name in options.scenarios if name not in own)
+    reports: list[Report | bench_scale.ScaleReport] = []
     try:
-        report = run(options)
+        if rigged:
+            reports.append(run(options))
+        if own:
+            reports.append(run_loop(bench_scale.measure(replace(options, scenarios=own))))
     except BenchError as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
-    text = report.markdown()
+    text = "\n".join(report.markdown() for report in reports)
     print(text, end="")
     if options.write:
         Path(options.write).write_text(text)
-    return 0 if report.errors == 0 else 1
+    return 0 if all(report.errors == 0 for report in reports) else 1
 
 
 if __name__ == "__main__":

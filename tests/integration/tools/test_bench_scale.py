@@ -1,0 +1,61 @@
+"""The scenarios with processes of their own, in their smallest form: `workers` (one worker and two, the
+requests counted in /metrics across workers) and `streams` (many concurrent streams through one worker).
+Timings are not asserted: they belong to the full run; counts and completeness are."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from gateway.tools import bench, bench_scale, bench_streams
+
+COMMAND = "sluice bench --smoke --scenario workers,streams"
+
+
+@pytest.fixture(scope="module")
+def report() -> bench_scale.ScaleReport:
+    options = replace(bench.SMOKE, scenarios=bench_scale.OWN_PROCESSES, command=COMMAND)
+    return bench.run_loop(bench_scale.measure(options))
+
+
+def test_workers_served_every_request_and_metrics_summed_them(report: bench_scale.ScaleReport) -> None:
+    w = report.workers
+    assert w is not None
+    assert sorted(w.runs) == [1, 2]
+    assert w.errors == 0
+    for n, run in w.runs.items():
+        assert run.answered == run.sent - bench.SMOKE.concurrency  # the priming requests are not timed
+        assert run.counted == run.sent, f"{n} worker(s): /metrics counted {run.counted} of {run.sent}"
+        assert run.cpu_s > 0
+        assert math.isfinite(run.cpu_ms_per_request)
+    assert w.runs[1].processes == 1
+    assert w.runs[2].processes >= 3  # the supervisor and its two workers
+    assert math.isfinite(w.ratio)
+
+
+def test_the_page_judges_the_targets(report: bench_scale.ScaleReport) -> None:
+    page = report.markdown()
+    assert "## Workers: one process and two" in page
+    assert {c.scenario for c in report.checks} == set(bench_scale.OWN_PROCESSES)
+
+
+def test_own_process_scenarios_are_named_and_left_out_of_the_rig() -> None:
+    assert bench.scenario_names("workers,core") == ("core", "workers")
+    assert set(bench_scale.OWN_PROCESSES) <= set(bench.scenario_names("all"))
+
+
+def test_streams_all_completed_through_one_worker(report: bench_scale.ScaleReport) -> None:
+    s = report.streams
+    assert s is not None
+    assert s.errors == 0, s.failures
+    assert s.completed == s.shape.streams == bench_streams.SHAPES["smoke"].streams
+    assert s.expected_events == s.shape.tokens + 2  # as the upstream sends them: the tokens, a finish event, [DONE]
+    assert len(s.ttft_ms) == len(s.connect_ms) == len(s.head_ms) == s.completed
+    assert min(s.ttft_ms) >= s.shape.ttft_ms - 1.0  # the upstream's first-token delay (a millisecond timer) is a floor
+    assert len(s.own_ms) == s.completed  # every response carried the gateway's own view
+    assert 0 < s.idle_rss_mb <= s.peak_rss_mb
+    assert s.gateway_cpu_s > 0
+    assert math.isfinite(s.added(0.99))
+    assert "## Streams: concurrency in one worker" in report.markdown()

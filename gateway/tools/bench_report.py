@@ -203,7 +203,7 @@ def noisy(report: Report) -> bool:
 
 def command_line() -> str:
     argv = sys.argv
-    if Path(argv[0]).name == "sluice":
+    if Path(argv[0]).name == "sluice" or argv[0].endswith("gateway/cli.py"):  # the script, or python -m gateway.cli
         return shlex.join(["sluice", *argv[1:]])
     if argv[0].endswith("bench.py"):
         return shlex.join(["python", "-m", "gateway.tools.bench", *argv[1:]])

@@ -323,14 +323,15 @@ def test_pods_run_locked_down(overlay: list[dict[str, Any]]) -> None:
 
 def read_only_root() -> list[str] | None:
     """A wrapper that runs a command with / read-only and a fresh tmpfs on /tmp, as the pod does; None if this
-    machine cannot (it needs root and mount namespaces). The config directory is bound on /srv first."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None or not Path("/srv").is_dir():
+    machine cannot (it needs root and mount namespaces). The config directory is bound on /srv and this
+    tree on /mnt first, so that neither is hidden by the new /tmp (a checkout may well live under /tmp)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or not (Path("/srv").is_dir() and Path("/mnt").is_dir()):
         return None
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         return None
     script = (
-        'mount --bind "$0" /srv && mount -o remount,bind,ro / && mount -t tmpfs -o size=64m tmpfs /tmp && '
-        'cd /tmp && exec "$@"'
+        'mount --bind "$0" /srv && mount --bind "$1" /mnt && shift && mount -o remount,bind,ro / && '
+        'mount -t tmpfs -o size=64m tmpfs /tmp && cd /tmp && exec "$@"'
     )
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
 
@@ -347,10 +348,12 @@ def pod_process(
     args = [swap.get(arg, arg) for arg in container["args"]]
     assert container["command"] == ["sluice"]
     command = [sys.executable, "-m", "gateway.cli", *args, "--log-level", "warning", *extra]
+    code = ROOT
     if wrapper is not None:
-        command = [*wrapper, str(config_dir), *command]
+        command = [*wrapper, str(config_dir), str(ROOT), *command]
+        code = Path("/mnt")  # where the wrapper binds this tree
     # The image's working directory is /tmp; this tree's code comes first on the path wherever it runs.
-    env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **env, "PYTHONPATH": str(code)}
     proc = subprocess.Popen(command, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,20 +9,18 @@ from __future__ import annotations
 import gzip
 import json
 import threading
-import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.support.collector import SpanCollector
 
 ZipkinSpan = dict[str, Any]
 REQUIRED = ("traceId", "id", "name", "timestamp", "duration", "localEndpoint")
 
 
-class ZipkinReceiver:
+class ZipkinReceiver(SpanCollector[ZipkinSpan]):
     def __init__(self) -> None:
-        self.spans: list[ZipkinSpan] = []
-        self.posts = 0
-        self.cond = threading.Condition()
+        super().__init__(lambda span: str(span["traceId"]), lambda span: str(span["name"]))
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -52,26 +50,6 @@ class ZipkinReceiver:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/v2/spans"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
-
-    def take(self, spans: list[ZipkinSpan]) -> None:
-        with self.cond:
-            self.spans.extend(spans)
-            self.posts += 1
-            self.cond.notify_all()
-
-    def wait(self, predicate: Callable[[list[ZipkinSpan]], bool], timeout: float = 10.0) -> list[ZipkinSpan]:
-        with self.cond:
-            assert self.cond.wait_for(lambda: predicate(self.spans), timeout), f"spans so far: {self.spans}"
-            return list(self.spans)
-
-    def trace(self, trace_id: str, count: int) -> dict[str, ZipkinSpan]:
-        """The spans of one trace, by name, once `count` have arrived; fails if more arrive just after."""
-        self.wait(lambda spans: sum(span["traceId"] == trace_id for span in spans) >= count)
-        time.sleep(0.2)  # several export rounds: anything more of this trace would have come by now
-        spans = [span for span in self.spans if span["traceId"] == trace_id]
-        named = {span["name"]: span for span in spans}
-        assert len(spans) == count == len(named), [span["name"] for span in spans]
-        return named
 
     def close(self) -> None:
         self.server.shutdown()

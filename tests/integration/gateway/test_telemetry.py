@@ -9,9 +9,9 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.auth.keys import new_key
+from tests.support.collector import SpanCollector
 from tests.support.gateway import RunningGateway, free_port, gateway_process, gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream, Status
 from tests.support.wait import wait_until
@@ -76,15 +77,11 @@ def _attributes(pairs: Any) -> dict[str, Any]:
     return {pair.key: _value(pair.value) for pair in pairs if isinstance(pair, KeyValue)}
 
 
-@dataclass
-class OtlpReceiver:
+class OtlpReceiver(SpanCollector[Span]):
     """POST /v1/traces (protobuf, gzip or not) on 127.0.0.1; every span decoded and kept."""
 
-    spans: list[Span] = field(default_factory=list)
-    posts: int = 0
-    cond: threading.Condition = field(default_factory=threading.Condition)
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        super().__init__(lambda span: span.trace_id, lambda span: span.name)
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -94,7 +91,7 @@ class OtlpReceiver:
                     body = gzip.decompress(body)
                 ok = self.path == "/v1/traces" and self.headers.get("content-type") == "application/x-protobuf"
                 if ok:
-                    receiver.take(ExportTraceServiceRequest.FromString(body))
+                    receiver.take_request(ExportTraceServiceRequest.FromString(body))
                 answer = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200 if ok else 400)
                 self.send_header("content-type", "application/x-protobuf")
@@ -110,7 +107,7 @@ class OtlpReceiver:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def take(self, request: ExportTraceServiceRequest) -> None:
+    def take_request(self, request: ExportTraceServiceRequest) -> None:
         got = []
         for resource_spans in request.resource_spans:
             resource = _attributes(resource_spans.resource.attributes)
@@ -131,24 +128,7 @@ class OtlpReceiver:
                             resource=resource,
                         )
                     )
-        with self.cond:
-            self.spans.extend(got)
-            self.posts += 1
-            self.cond.notify_all()
-
-    def wait(self, predicate: Callable[[list[Span]], bool], timeout: float = 10.0) -> list[Span]:
-        with self.cond:
-            assert self.cond.wait_for(lambda: predicate(self.spans), timeout), f"spans so far: {self.spans}"
-            return list(self.spans)
-
-    def trace(self, trace_id: str, count: int) -> dict[str, Span]:
-        """The spans of one trace, by name, once `count` have arrived; fails if more arrive just after."""
-        self.wait(lambda spans: sum(span.trace_id == trace_id for span in spans) >= count)
-        time.sleep(0.2)  # not a wait for a condition: several export rounds, in which no more may come
-        spans = [span for span in self.spans if span.trace_id == trace_id]
-        named = {span.name: span for span in spans}
-        assert len(spans) == count == len(named), [span.name for span in spans]
-        return named
+        self.take(got)
 
     def request(self, request_id: str, count: int) -> dict[str, Span]:
         """The spans of the trace whose root carries this x-request-id."""
@@ -176,13 +156,6 @@ telemetry: {{otlp_endpoint: "{otlp}", service_name: sluice-it}}
 plugins: [auth, cache]
 {extra}
 """
-
-
-@pytest.fixture()
-def fast_export(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
-    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture()

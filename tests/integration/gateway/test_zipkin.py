@@ -45,13 +45,6 @@ def zipkin_config(upstream: str, zipkin: str) -> str:
 
 
 @pytest.fixture()
-def fast_export(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
-    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture()
 def upstream() -> Iterator[ScriptedUpstream]:
     with ScriptedUpstream(default=Ok(ttft_ms=30, tpot_ms=3, tokens=6)) as up:
         yield up

@@ -37,7 +37,6 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -45,6 +44,7 @@ from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext
 
+from gateway.otlp import LeanOTLPSpanExporter
 from gateway.spans import SAMPLED, Layout
 from gateway.tracecontext import incoming
 
@@ -73,13 +73,13 @@ def traces_url(settings: TelemetrySettings) -> str | None:
     return base if base.endswith("/v1/traces") else base + "/v1/traces"
 
 
-def span_exporter(settings: TelemetrySettings) -> SpanExporter:
+def span_exporter(settings: TelemetrySettings, resource: Resource, scope: InstrumentationScope) -> SpanExporter:
     """The exporter the config names. Zipkin's is imported only when chosen, as the SDK is only with tracing on."""
     if settings.exporter == "zipkin":
         from opentelemetry.exporter.zipkin.json import ZipkinExporter
 
         return ZipkinExporter(endpoint=settings.zipkin_endpoint)
-    return OTLPSpanExporter(endpoint=traces_url(settings))
+    return LeanOTLPSpanExporter(resource, scope, traces_url(settings))
 
 
 class HashedResource(Resource):
@@ -158,7 +158,7 @@ class Tracing:
         attributes["service.instance.id"] = uuid.uuid4().hex  # one per worker process
         self.resource = HashedResource(Resource.create(attributes))
         self.scope = InstrumentationScope("sluice", _package_version())
-        self.exporter = CountingExporter(exporter or span_exporter(telemetry), count)
+        self.exporter = CountingExporter(exporter or span_exporter(telemetry, self.resource, self.scope), count)
         # The queue's size is ours to know, to drop whole traces before it overflows; the delay between exports
         # is the SDK's to read (OTEL_BSP_SCHEDULE_DELAY, 5 s by default).
         self.capacity = bsp_setting("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_QUEUE)

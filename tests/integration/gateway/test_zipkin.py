@@ -187,5 +187,5 @@ def test_the_zipkin_exporter_is_imported_only_when_chosen(exporter: str, importe
     )
     done = subprocess.run([sys.executable, "-c", program, str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    expected = "ZipkinExporter" if imported else "OTLPSpanExporter"
+    expected = "ZipkinExporter" if imported else "LeanOTLPSpanExporter"
     assert done.stdout.split() == [expected, str(imported)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from collections.abc import Iterator
 
@@ -10,7 +11,7 @@ import pytest
 import redis
 
 from tests.support.gateway import RunningGateway, gateway_thread
-from tests.support.redis import RedisCluster, RedisServer
+from tests.support.redis import INSTALL, SERVERS, RedisCluster, RedisServer
 
 QUICKSTART = """
 backends:
@@ -30,10 +31,15 @@ def quickstart() -> Iterator[RunningGateway]:
         yield gw
 
 
-@pytest.fixture()
-def redis_server() -> Iterator[RedisServer]:
-    """A fresh redis-server for one test (tests may kill and restart it)."""
-    with RedisServer() as server:
+@pytest.fixture(params=sorted(SERVERS))
+def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A fresh server for one test (tests may kill and restart it): every such test runs on Redis and on Valkey."""
+    program = SERVERS[request.param]
+    if shutil.which(program) is None:
+        if request.param == "redis":
+            pytest.fail(f"{program} is not installed ({INSTALL[program]})")
+        pytest.skip(f"{program} is not installed ({INSTALL[program]})")
+    with RedisServer(program=program) as server:
         yield server
 
 

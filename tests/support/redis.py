@@ -15,13 +15,21 @@ import redis
 
 from tests.support.gateway import free_port
 
+# The servers the Redis-backed tests run against, each where it is installed: Redis, and Valkey (its fork,
+# which managed offerings now run), which must behave the same for every command the gateway sends.
+SERVERS = {"redis": "redis-server", "valkey": "valkey-server"}
+INSTALL = {
+    "redis-server": "apt-get install redis-server",
+    "valkey-server": "apt-get install -t bookworm-backports valkey-server",
+}
+
 
 class RedisServer:
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, program: str = "redis-server") -> None:
         self.extra = list(extra)
-        binary = shutil.which("redis-server")
+        binary = shutil.which(program)
         if binary is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+            raise RuntimeError(f"{program} is not installed ({INSTALL.get(program, 'install it')})")
         self.binary = binary
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -55,7 +63,8 @@ class RedisServer:
                     return
                 except redis.ConnectionError:
                     if self.proc.poll() is not None:  # e.g. an option this build does not know
-                        raise RuntimeError(f"redis-server exited at start with status {self.proc.returncode}") from None
+                        status = self.proc.returncode
+                        raise RuntimeError(f"{self.binary} exited at start with status {status}") from None
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.02)

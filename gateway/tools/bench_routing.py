@@ -10,7 +10,9 @@ conversation so far plus a new user message, streamed; turns arrive as a Poisson
 replicas' estimated capacity. Each policy gets its own backend in one gateway and its own system prompt, so
 no policy starts with a cache another one warmed. Measured per policy: TTFT p50/p99 at the client, the
 prefix-cache hit rate (cached / prompt tokens) and requests per replica. Then the prefix policy runs again
-with one replica killed half-way: every request must still succeed. The pick's own cost is measured first,
+with one replica killed half-way: every request must still be answered (`failed`: none got an error or no
+first token, which another replica would have taken over); the few streams that replica was in the middle
+of are `cut`, since their first tokens had reached the client. The pick's own cost is measured first,
 in-process (`pick_cost`).
 """
 

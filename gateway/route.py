@@ -165,11 +165,11 @@ class Prefix:
         fresh_after = now - self.fresh_s
         load_weight = self.load_weight
         kv_weight = self.kv_weight
-        loads = []
+        loads: list[float] = []
         scores = []
         for endpoint in order:  # one pass, so `Endpoint.load` is inlined
             pool = endpoint.pool
-            load = float(pool.busy) if pool is not None else 0.0
+            load: float = pool.busy if pool is not None else 0
             score = 0.0
             if endpoint.scraped_at >= fresh_after:  # the server's metrics: what others sent, KV-cache usage
                 load += endpoint.others

@@ -11,8 +11,9 @@ from typing import Any
 from gateway.endpoints import Endpoints
 from gateway.health import Health
 from gateway.pool import PoolLimits
+from gateway.prefix import block_ends, prompt_blocks
 from gateway.replica import Endpoint, parse_load
-from gateway.route import Prefix, Session, block_ends, prompt_blocks
+from gateway.route import Prefix, Session
 from gateway.settings import OpenAIBackend, RoutingSettings
 from tests.support.upstream import ScriptedUpstream
 

@@ -217,8 +217,7 @@ class Endpoints:
                     return
                 found = parse_load(response.text) if response.status_code == 200 else None
                 if found is not None:
-                    endpoint.waiting, endpoint.running, endpoint.kv = found
-                    endpoint.scraped_at = time.monotonic()
+                    endpoint.scraped(*found, time.monotonic())
 
             while True:
                 await asyncio.gather(*(one(endpoint) for endpoint in list(self.all)))

@@ -25,6 +25,7 @@ class Endpoint:
     """One replica: its client, how busy it is, what it has recently been sent, whether it is ejected."""
 
     __slots__ = (
+        "bit",
         "client",
         "ejected_until",
         "ejections",
@@ -33,6 +34,7 @@ class Endpoint:
         "kv",
         "label",
         "metrics_url",
+        "others",
         "pool",
         "probing",
         "running",
@@ -55,11 +57,15 @@ class Endpoint:
         self.ejected_until = 0.0  # time.monotonic(); 0: in service
         self.probing = False  # back from an ejection, not yet proven healthy
         self.gauge: Any = None
-        # Prefix routing: block hash -> when it was last sent here (gateway/route.py keeps it).
+        # Prefix routing (gateway/route.py keeps both): block hash -> when it was last sent here, oldest first,
+        # and this endpoint's bit in its backend's policy's index of which endpoints hold a block (0: none yet).
         self.seen: OrderedDict[int, float] = OrderedDict()
-        # The server's own view (vLLM /metrics), when scraped: requests queued and running, KV-cache usage.
+        self.bit = 0
+        # The server's own view (vLLM /metrics), when scraped: requests queued and running, KV-cache usage,
+        # and of those the ones others sent (other gateway pods): the count less this process's own then.
         self.waiting = 0.0
         self.running = 0.0
+        self.others = 0.0
         self.kv = 0.0
         self.scraped_at = -1e9
 
@@ -69,11 +75,21 @@ class Endpoint:
         return pool.busy if pool is not None else 0
 
     def load(self, now: float, fresh_s: float) -> float:
-        """In flight here; with fresh server metrics, the server's count if higher (other gateways send too)."""
-        mine = float(self.outstanding())
+        """In flight here; with fresh server metrics, plus what others had sent it at the scrape.
+
+        Not the server's count as scraped: this process's own part of it is known exactly and now, whereas
+        the scrape is up to `metrics_interval_s` old (requests counted then may have finished since)."""
+        pool = self.pool
+        mine = float(pool.busy) if pool is not None else 0.0
         if now - self.scraped_at <= fresh_s:
-            return max(mine, self.waiting + self.running)
+            return mine + self.others
         return mine
+
+    def scraped(self, waiting: float, running: float, kv: float, now: float) -> None:
+        """The server's counts, just read (HTTP/2: this process's own count is unknown, so all are others')."""
+        self.waiting, self.running, self.kv = waiting, running, kv
+        self.others = max(0.0, waiting + running - self.outstanding())
+        self.scraped_at = now
 
     def kv_usage(self, now: float, fresh_s: float) -> float:
         return self.kv if now - self.scraped_at <= fresh_s else 0.0

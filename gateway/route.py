@@ -8,12 +8,12 @@ response head `served(key, endpoint, now)` lets it remember where the request we
 - least_outstanding: the power of two choices: two endpoints at random, the less loaded one.
 - session: rendezvous hashing of a session id (a header, else the body's `user`): a session sticks to one
   endpoint, and when endpoints come or go only the sessions of those endpoints move.
-- prefix: the endpoint that has recently been sent most of this request's leading prompt, as long as it is
-  not overloaded: a weighted score (llm-d's scorer, in spirit) within a bounded-load cap (consistent hashing
-  with bounded loads). docs/architecture.md says why both, and what a pick costs.
+- prefix: the endpoint that has recently been sent most of this request's leading prompt, less what its load
+  costs: a weighted score in blocks of prompt (llm-d's scorers, in spirit) within a bounded-load cap
+  (consistent hashing with bounded loads). docs/architecture.md says why both, and what a pick costs.
 
-Load is what `Endpoint.load` says: requests this process has in flight there, or the server's own count of
-waiting and running requests when its vLLM metrics are fresh and higher.
+Load is what `Endpoint.load` says: requests this process has in flight there, plus those other gateways
+had sent it when its vLLM metrics are fresh.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import hashlib
 import math
 import random
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
-from zlib import crc32
+
+from gateway.prefix import Blocks, block_ends, prompt_blocks
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -110,12 +111,20 @@ class Session:
 
 
 class Prefix:
+    """The endpoint that holds most of the request's leading prompt, less what its load costs, within a bound.
+
+    One index for all endpoints: hash -> a bit mask of the endpoints that were recently sent that prefix.
+    What an endpoint remembers is prefix-closed (a prompt's blocks are touched last to first), so the masks
+    shrink along a prompt's blocks and a few binary searches give every endpoint's match; the turn marks
+    then say whether it holds the previous turn whole. Each endpoint's own LRU (`Endpoint.seen`,
+    `cache_blocks`, with a TTL) says what it forgets.
+    """
+
     name: ClassVar[str] = "prefix"
 
     def __init__(self, spec: RoutingSettings, fresh_s: float) -> None:
-        self.block = spec.block_chars
-        self.max_blocks = spec.max_blocks
-        self.limit = spec.block_chars * spec.max_blocks
+        self.ends = block_ends(spec.block_chars, spec.max_blocks)
+        self.per_block = 1.0 / spec.block_chars
         self.capacity = spec.cache_blocks
         self.ttl = spec.cache_ttl_s
         self.load_weight = spec.load_weight
@@ -123,61 +132,151 @@ class Prefix:
         self.factor = spec.max_load_factor
         self.fresh_s = fresh_s
         self.turn = 0
+        self.where: dict[int, int] = {}  # prefix hash -> bits of the endpoints that hold it
+        self.members: dict[int, Endpoint] = {}  # bit -> endpoint, for those that were sent something
+        self.everyone = 0  # their bits
+        self.offered: dict[int, float] = {}  # bit -> when the endpoint was last among those to pick from
+        self.free: list[int] = []  # bits of endpoints forgotten, for the next new ones
+        self.next_bit = 1
+        self.next_sweep = 0.0
 
-    def key(self, ex: Exchange) -> list[int]:
-        return prompt_blocks(ex.json, self.block, self.limit, self.max_blocks)
+    def key(self, ex: Exchange) -> Blocks:
+        return prompt_blocks(ex.json, self.ends)
 
-    def pick(self, key: list[int], endpoints: list[Endpoint], now: float) -> tuple[Endpoint, float]:
+    def pick(self, key: Blocks, endpoints: list[Endpoint], now: float) -> tuple[Endpoint, float]:
         count = len(endpoints)
         if count == 1:
             return endpoints[0], 0.0
-        fresh_s = self.fresh_s
-        loads = [endpoint.load(now, fresh_s) for endpoint in endpoints]
-        # Bounded loads: an endpoint may take this request only while it stays within `factor` times the mean.
-        cap = math.ceil(self.factor * (sum(loads) + 1.0) / count)
-        scale = self.load_weight / (max(loads) + 1.0)
-        blocks = len(key)
-        ttl = self.ttl
+        if now >= self.next_sweep:
+            self._sweep(endpoints, now)
+        groups = self._matches(key) if key[0] else ()
         self.turn += 1
         start = self.turn % count  # equal scores (a new prompt, idle endpoints) go round in turn
-        best: Endpoint | None = None
-        best_score = -math.inf
-        for offset in range(count):
-            index = (start + offset) % count
-            load = loads[index]
-            if load + 1.0 > cap:
-                continue
-            endpoint = endpoints[index]
-            score = -scale * load
-            if blocks:
-                # The longest prefix of `key` sent here recently. What is remembered is prefix-closed (a
-                # block is touched after every block behind it, at the same time), so a binary search finds it.
-                seen = endpoint.seen
-                low, high = 0, blocks
-                while low < high:
-                    middle = (low + high + 1) // 2
-                    sent = seen.get(key[middle - 1])
-                    if sent is not None and now - sent <= ttl:
-                        low = middle
-                    else:
-                        high = middle - 1
-                score += low / blocks
-            if now - endpoint.scraped_at <= fresh_s:  # the server's KV-cache usage, when it is known
-                score -= self.kv_weight * endpoint.kv
-            if score > best_score:
-                best, best_score = endpoint, score
-        if best is None:  # cannot happen (the least loaded is within the cap), but never fail a pick
-            best = min(endpoints, key=lambda endpoint: endpoint.load(now, fresh_s))
-        return best, best_score
+        order = endpoints[start:] + endpoints[:start]
+        fresh_after = now - self.fresh_s
+        load_weight = self.load_weight
+        kv_weight = self.kv_weight
+        loads: list[float] = []
+        scores = []
+        for endpoint in order:  # one pass, so `Endpoint.load` is inlined
+            pool = endpoint.pool
+            load: float = pool.busy if pool is not None else 0
+            score = 0.0
+            if endpoint.scraped_at >= fresh_after:  # the server's metrics: what others sent, KV-cache usage
+                load += endpoint.others
+                score = -kv_weight * endpoint.kv
+            bit = endpoint.bit
+            for mask, held in groups:
+                if bit & mask:
+                    score += held
+                    break
+            loads.append(load)
+            # In blocks: the prompt it holds (prefill saved), less `load_weight` blocks per request it has.
+            scores.append(score - load_weight * load)
+        # Bounded loads: an endpoint may take this request only while it stays within `factor` times the mean.
+        cap = math.ceil(self.factor * (sum(loads) + 1.0) / count) - 1.0
+        if max(loads) > cap:  # (the least loaded never is)
+            for index, load in enumerate(loads):
+                if load > cap:
+                    scores[index] = -math.inf
+        best = max(scores)
+        return order[scores.index(best)], best
 
-    def served(self, key: list[int], endpoint: Endpoint, now: float) -> None:
+    def _matches(self, key: Blocks) -> list[tuple[int, float]]:
+        """(endpoints' bits, blocks of the prompt they hold), longest first; endpoints not named hold none."""
+        hashes, marks, _ = key
+        rest = self.everyone
+        where = self.where
+        ends = self.ends
+        per_block = self.per_block
+        groups = []
+        high = len(hashes)
+        while rest and high and where.get(hashes[0], 0) & rest:
+            # The deepest block any of `rest` holds; those holding it match that far, the others less far.
+            low = 1
+            while low < high:
+                middle = (low + high + 1) // 2
+                if where.get(hashes[middle - 1], 0) & rest:
+                    low = middle
+                else:
+                    high = middle - 1
+            mask = where.get(hashes[low - 1], 0) & rest
+            rest &= ~mask
+            high = low - 1
+            # A turn mark past its last block, short of the next one: those holding it hold that much more.
+            reach = ends[low] if low < len(hashes) else 1 << 62
+            for offset, mark in reversed(marks):  # the deepest first
+                if ends[low - 1] < offset < reach:
+                    whole = where.get(mark, 0) & mask
+                    if whole:
+                        groups.append((whole, offset * per_block))
+                        mask &= ~whole
+            if mask:
+                groups.append((mask, ends[low - 1] * per_block))
+        return groups
+
+    def served(self, key: Blocks, endpoint: Endpoint, now: float) -> None:
+        hashes, _, whole = key
+        if not hashes:
+            return
+        bit = endpoint.bit or self._join(endpoint, now)
+        where = self.where
         seen = endpoint.seen
         touch = seen.move_to_end
-        for block in reversed(key):  # the head last: evicted last, as a server's prefix cache frees blocks
-            seen[block] = now
-            touch(block)
-        while len(seen) > self.capacity:
-            seen.popitem(last=False)
+        # The whole prompt first and its head last: evicted last, as a server's prefix cache frees blocks.
+        for block in (whole, *reversed(hashes)) if whole else reversed(hashes):
+            if block in seen:
+                seen[block] = now
+                touch(block)
+            else:
+                seen[block] = now
+                where[block] = where.get(block, 0) | bit
+        over = len(seen) - self.capacity
+        while over > 0:
+            self._drop(seen.popitem(last=False)[0], bit)
+            over -= 1
+
+    def _join(self, endpoint: Endpoint, now: float) -> int:
+        bit = self.free.pop() if self.free else self.next_bit
+        if bit == self.next_bit:
+            self.next_bit <<= 1
+        endpoint.bit = bit
+        self.members[bit] = endpoint
+        self.everyone |= bit
+        self.offered[bit] = now
+        return bit
+
+    def _drop(self, block: int, bit: int) -> None:
+        mask = self.where.get(block, 0) & ~bit
+        if mask:
+            self.where[block] = mask
+        else:
+            self.where.pop(block, None)
+
+    def _sweep(self, endpoints: list[Endpoint], now: float) -> None:
+        """Forget blocks not sent for `cache_ttl_s`, and endpoints not offered for as long (gone from the backend)."""
+        ttl = self.ttl
+        self.next_sweep = now + ttl / 16.0
+        for endpoint in endpoints:
+            if endpoint.bit:
+                self.offered[endpoint.bit] = now
+        for bit, member in list(self.members.items()):
+            seen = member.seen
+            if now - self.offered[bit] > ttl:
+                for block in seen:
+                    self._drop(block, bit)
+                seen.clear()
+                member.bit = 0
+                del self.members[bit], self.offered[bit]
+                self.everyone &= ~bit
+                self.free.append(bit)
+                continue
+            while seen:
+                block, sent = next(iter(seen.items()))
+                if now - sent <= ttl:
+                    break
+                del seen[block]
+                self._drop(block, bit)
 
 
 def two_choices(endpoints: list[Endpoint], now: float, fresh_s: float) -> tuple[Endpoint, float]:
@@ -192,51 +291,6 @@ def two_choices(endpoints: list[Endpoint], now: float, fresh_s: float) -> tuple[
     a, b = endpoints[first], endpoints[second]
     load_a, load_b = a.load(now, fresh_s), b.load(now, fresh_s)
     return (a, load_a) if load_a <= load_b else (b, load_b)
-
-
-def prompt_blocks(body: dict[str, Any], block: int, limit: int, max_blocks: int) -> list[int]:
-    """Chained hashes of the leading prompt's full blocks of `block` bytes (UTF-8), at most `max_blocks`.
-
-    The messages are taken in order (role and text), so a conversation's next turn begins with the same
-    blocks as the turn before. A block's hash is the CRC-32 of the whole prompt up to its end, computed
-    incrementally (`crc32(block, previous)`), so equal hashes mean equal prefixes. Only the first `limit`
-    characters are looked at. CRC-32 is the cheapest chained hash at hand, about three times cheaper per
-    block here than blake2b (docs/architecture.md); its 32 bits are plenty for a routing hint, where a rare
-    false match costs one less well placed request, never a wrong answer.
-    """
-    parts: list[str] = []
-    size = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(
-                    part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
-                )
-            elif not isinstance(content, str):
-                content = ""
-            role = message.get("role")
-            parts.append(role if isinstance(role, str) else "")
-            if size + len(content) >= limit:  # the rest is never hashed: do not copy it
-                parts.append(content[: limit - size])
-                break
-            parts.append(content)
-            size += len(content) + 8
-        text = "\x1e".join(parts)
-    else:
-        prompt = body.get("prompt")
-        text = prompt if isinstance(prompt, str) else ""
-    data = memoryview(text.encode())
-    count = min(len(data) // block, max_blocks)
-    running = crc32(str(body.get("model")).encode())
-    hashes = []
-    for start in range(0, count * block, block):
-        running = crc32(data[start : start + block], running)  # CRC-32 of everything up to this block's end
-        hashes.append(running)
-    return hashes
 
 
 def build(spec: RoutingSettings, fresh_s: float) -> Policy:

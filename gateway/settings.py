@@ -68,13 +68,13 @@ class RoutingSettings(Strict):
 
     policy: Literal["round_robin", "least_outstanding", "session", "prefix"] = "round_robin"
     session_header: str = "x-session-id"  # session: this header, else the body's `user`
-    block_chars: int = Field(512, ge=16)  # prefix: bytes (characters of ASCII) per hashed block, ~128 tokens
-    max_blocks: int = Field(32, ge=1)  # prefix: how much of the leading prompt is hashed (16 KiB)
+    block_chars: int = Field(512, ge=16)  # prefix: characters per hashed block (~128 tokens), the first four
+    max_blocks: int = Field(32, ge=1)  # prefix: how much of the leading prompt is hashed, in block_chars (16 KiB)
     cache_blocks: int = Field(16384, ge=1)  # prefix: block hashes remembered per endpoint (LRU)
     cache_ttl_s: float = Field(600.0, gt=0)  # prefix: a block not sent for this long is taken as evicted
-    load_weight: float = Field(1.0, ge=0)  # prefix: the load term's weight against the match fraction
-    kv_weight: float = Field(0.3, ge=0)  # prefix: the KV-cache usage term's weight (vLLM metrics)
-    max_load_factor: float = Field(2.0, ge=1.0)  # prefix: no endpoint above this times the mean load
+    load_weight: float = Field(1.0, ge=0)  # prefix: blocks of held prompt one request in flight is worth
+    kv_weight: float = Field(1.0, ge=0)  # prefix: blocks of held prompt a full KV cache is worth (vLLM metrics)
+    max_load_factor: float = Field(3.0, ge=1.0)  # prefix: no endpoint above this times the mean load
     metrics: bool | None = None  # scrape the endpoints' /metrics (vLLM names); default: on for type vllm
     metrics_interval_s: float = Field(1.0, gt=0)
 

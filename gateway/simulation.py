@@ -73,6 +73,7 @@ class Reply:
     ttft_s: float
     tpot_s: float
     tokens: int = 0  # tokens generated; a chat stream's token events follow its role event
+    text: str = ""  # what was generated (chat and completions), for a replica model that caches it
 
     @property
     def stream(self) -> bool:
@@ -151,17 +152,22 @@ def _chat(body: dict[str, Any], model: str, profile: Profile, cached: int | None
     ident, picks = _pick(b"chat\0" + _canonical(messages, "messages"), count)
     head = {"id": "chatcmpl-" + ident, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     usage = _usage(prompt_tokens, count, cached)
+    text = _text(picks)
     if not stream:
-        message = {"role": "assistant", "content": _text(picks), "refusal": None}
+        message = {"role": "assistant", "content": text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        return _whole({**head, "object": "chat.completion", "choices": [choice], "usage": usage}, profile, count)
+        whole = _whole({**head, "object": "chat.completion", "choices": [choice], "usage": usage}, profile, count)
+        whole.text = text
+        return whole
     usage_null = b',"usage":null' if include_usage else b""
     events = [_event(head, {"index": 0, "delta": {"role": "assistant", "content": ""}}, None, include_usage)]
     left = orjson.dumps(head)[:-1] + b',"choices":[{"index":0,"delta":{"content":'
     right = b'},"logprobs":null,"finish_reason":null}]' + usage_null + b"}"
     events += _token_events(picks, left, right)
     events.append(_event(head, {"index": 0, "delta": {}}, finish, include_usage))
-    return _stream(events, head, usage if include_usage else None, profile, count)
+    streamed = _stream(events, head, usage if include_usage else None, profile, count)
+    streamed.text = text
+    return streamed
 
 
 def _completion(body: dict[str, Any], model: str, profile: Profile, cached: int | None, usage_always: bool) -> Reply:
@@ -173,15 +179,20 @@ def _completion(body: dict[str, Any], model: str, profile: Profile, cached: int 
     ident, picks = _pick(b"completions\0" + orjson.dumps(texts), count)
     head = {"id": "cmpl-" + ident, "object": "text_completion", "created": int(time.time()), "model": model}
     usage = _usage(prompt_tokens, count, cached)
+    text = _text(picks)
     if not stream:
-        choice = {"text": _text(picks), "index": 0, "logprobs": None, "finish_reason": finish}
-        return _whole({**head, "choices": [choice], "usage": usage}, profile, count)
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        whole = _whole({**head, "choices": [choice], "usage": usage}, profile, count)
+        whole.text = text
+        return whole
     usage_null = b',"usage":null' if include_usage else b""
     left = orjson.dumps(head)[:-1] + b',"choices":[{"text":'
     right = b',"index":0,"logprobs":null,"finish_reason":null}]' + usage_null + b"}"
     events = _token_events(picks, left, right)
     events.append(_event(head, {"text": "", "index": 0}, finish, include_usage))
-    return _stream(events, head, usage if include_usage else None, profile, count)
+    streamed = _stream(events, head, usage if include_usage else None, profile, count)
+    streamed.text = text
+    return streamed
 
 
 def _embeddings(body: dict[str, Any], model: str, profile: Profile) -> Reply:

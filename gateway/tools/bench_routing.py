@@ -10,7 +10,9 @@ conversation so far plus a new user message, streamed; turns arrive as a Poisson
 replicas' estimated capacity. Each policy gets its own backend in one gateway and its own system prompt, so
 no policy starts with a cache another one warmed. Measured per policy: TTFT p50/p99 at the client, the
 prefix-cache hit rate (cached / prompt tokens) and requests per replica. Then the prefix policy runs again
-with one replica killed half-way: every request must still succeed. The pick's own cost is measured first,
+with one replica killed half-way: every request must still be answered (`failed`: none got an error or no
+first token, which another replica would have taken over); the few streams that replica was in the middle
+of are `cut`, since their first tokens had reached the client. The pick's own cost is measured first,
 in-process (`pick_cost`).
 """
 
@@ -61,18 +63,23 @@ class Phase:
     ttft_ms: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    failures: int = 0
+    failures: int = 0  # no answer: an error status, or the stream failed before its first token
+    cut: int = 0  # answered, then the stream broke: its replica died mid-answer, after bytes reached the client
     per_replica: list[int] = field(default_factory=list)
+    killed: int | None = None  # the replica killed half-way, whose count stops there
 
     def line(self) -> str:
         p50 = percentile(sorted(self.ttft_ms), 0.5) if self.ttft_ms else 0.0
         p99 = percentile(sorted(self.ttft_ms), 0.99) if self.ttft_ms else 0.0
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        mean = sum(self.per_replica) / len(self.per_replica) if self.per_replica else 0.0
-        peak = max(self.per_replica) / mean if mean else 0.0
+        # The balance is the survivors': the killed replica's share ends half-way.
+        kept = [n for i, n in enumerate(self.per_replica) if i != self.killed]
+        mean = sum(kept) / len(kept) if kept else 0.0
+        peak = max(kept) / mean if mean else 0.0
+        counts = [f"{n} (killed)" if i == self.killed else str(n) for i, n in enumerate(self.per_replica)]
         return (
             f"| {self.policy} | {len(self.ttft_ms)} | {p50:.0f} | {p99:.0f} | {hit:.0%} | "
-            f"{' / '.join(map(str, self.per_replica))} | {peak:.2f} | {self.failures} |"
+            f"{' / '.join(counts)} | {peak:.2f} | {self.failures} | {self.cut} |"
         )
 
 
@@ -188,7 +195,10 @@ async def conversation_turn(
                     continue
                 chunk = orjson.loads(line[6:])
                 if "error" in chunk:
-                    phase.failures += 1
+                    if first is None:
+                        phase.failures += 1
+                    else:
+                        phase.cut += 1
                     return
                 for choice in chunk.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content")
@@ -201,7 +211,10 @@ async def conversation_turn(
                     phase.prompt_tokens += usage.get("prompt_tokens", 0)
                     phase.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
     except httpx.HTTPError:
-        phase.failures += 1
+        if first is None:
+            phase.failures += 1
+        else:
+            phase.cut += 1
         return
     if first is not None:
         phase.ttft_ms.append((first - started) * 1000.0)
@@ -209,8 +222,15 @@ async def conversation_turn(
 
 
 async def run_phase(
-    gateway: str, model: str, seconds: float, rate: float, seed: int, kill: subprocess.Popen[bytes] | None = None
+    gateway: str,
+    model: str,
+    seconds: float,
+    rate: float,
+    seed: int,
+    kill: subprocess.Popen[bytes] | None = None,
+    urls: list[str] | None = None,
 ) -> Phase:
+    """One policy's turn; with `kill`, that replica is killed half-way, after its count so far (`urls`) is read."""
     phase = Phase(model if kill is None else f"{model}, one replica killed")
     rng = random.Random(seed)
     system = f"System prompt {seed}: " + " ".join(f"rule{rng.randrange(10_000)}" for _ in range(SYSTEM_WORDS))
@@ -224,6 +244,8 @@ async def run_phase(
         while time.monotonic() < end:
             await asyncio.sleep(rng.expovariate(rate))
             if kill is not None and not killed and time.monotonic() > end - seconds / 2:
+                if urls is not None:
+                    phase.per_replica = await asyncio.to_thread(finished, urls)
                 kill.send_signal(signal.SIGKILL)
                 killed = True
             # Now and then a new conversation (always when every open one is waiting for its answer).
@@ -305,8 +327,15 @@ def _run(
                 phase = asyncio.run(run_phase(base, policy, seconds, rate, seed))
                 phase.per_replica = [a - b for a, b in zip(finished(urls), before, strict=True)]
                 phases.append(phase)
-            killed = asyncio.run(run_phase(base, "prefix", seconds, rate, 99, kill=replicas[-1][0]))
-            killed.per_replica = []
+            before = finished(urls)
+            killed = asyncio.run(run_phase(base, "prefix", seconds, rate, 99, kill=replicas[-1][0], urls=urls))
+            # The killed replica's count is the one read just before it died; the others', at the end.
+            at_kill = killed.per_replica or before
+            after = finished(urls)
+            killed.killed = len(urls) - 1
+            killed.per_replica = [
+                (at_kill[i] if i == killed.killed else after[i]) - before[i] for i in range(len(urls))
+            ]
             phases.append(killed)
         finally:
             gateway.send_signal(signal.SIGTERM)
@@ -315,14 +344,18 @@ def _run(
                 proc.kill()
                 proc.wait(5)
     print(f"## Routing across {REPLICAS} replicas ({rate:.1f} turns/s offered, {seconds:g} s per policy)\n")
-    columns = "TTFT p50 ms | TTFT p99 ms | prefix-cache hits | requests per replica | busiest / mean | failed"
+    columns = "TTFT p50 ms | TTFT p99 ms | prefix-cache hits | requests per replica | busiest / mean | failed | cut"
     print(f"| policy | requests | {columns} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for phase in phases:
         print(phase.line())
     print(
         "\nPick cost, 8 endpoints (key + pick + served, µs per request): "
         + ", ".join(f"{name} {us:.1f}" for name, us in costs.items())
+    )
+    print(
+        "\nfailed: no answer (an error, or nothing before the first token: those are retried on another replica);"
+        " cut: the stream broke after its first token, on the replica killed mid-answer (nothing can retry it)."
     )
     return 0 if all(phase.failures == 0 for phase in phases) else 1
 

@@ -8,7 +8,10 @@ What it models, per replica (see docs/simulator.md for the figures behind the de
   chained to the previous one's, so a conversation's next turn shares its leading blocks with the turn before.
   The cache is an LRU of `cache_blocks` block hashes, a prompt's tail evicted before its head. As in vLLM,
   a hit never covers the whole prompt: at least the last token is computed, so the lookup stops one token
-  short;
+  short. Generated tokens are cached too, as vLLM caches every block once it is full: when a request has
+  generated its answer, the blocks of the prompt followed by the answer (as the next turn's chat template
+  writes it: the assistant's framing, its text, its end) are stored, but for the last token, whose KV is never
+  computed. A conversation's next turn, which repeats the answer, finds it cached;
 - time to first token: `ttft_ms` plus `prefill_ms_per_token` for each prompt token the cache did not hold;
 - time per output token: `tpot_ms * (1 + batch_slowdown * (running - 1))`, read again at every token, so a
   request slows down while others join its batch and speeds up as they leave.
@@ -92,12 +95,12 @@ class Engine:
     def generation(self, tokens: list[str], count: int) -> Generation:
         return Generation(self, tokens, count)
 
-    def hashes(self, tokens: list[str]) -> list[bytes]:
-        """The chained hash of every full block of `tokens`."""
+    def hashes(self, tokens: list[str], known: list[bytes] | None = None) -> list[bytes]:
+        """The chained hash of every full block of `tokens`; `known`: those of its first blocks, already hashed."""
         size = self.options.block_tokens
-        chain = b""
-        out = []
-        for start in range(0, len(tokens) - size + 1, size):
+        out = list(known or ())
+        chain = out[-1] if out else b""
+        for start in range(len(out) * size, len(tokens) - size + 1, size):
             chain = hashlib.blake2b(chain + "\0".join(tokens[start : start + size]).encode(), digest_size=16).digest()
             out.append(chain)
         return out
@@ -152,8 +155,9 @@ class Engine:
 
     # Prefix cache
 
-    def lookup(self, tokens: list[str]) -> int:
-        """Cached prompt tokens for `tokens` (counted as vLLM does), then cache all of its full blocks."""
+    def lookup(self, tokens: list[str]) -> tuple[int, list[bytes]]:
+        """Cached prompt tokens for `tokens` (counted as vLLM does), then cache all of its full blocks; and
+        the blocks' hashes, which the answer's blocks chain on."""
         size = self.options.block_tokens
         hashes = self.hashes(tokens)
         hit = 0
@@ -162,6 +166,14 @@ class Engine:
                 break
             self.blocks.move_to_end(digest)
             hit += 1
+        self.store(hashes)
+        cached = hit * size
+        self.queries += len(tokens)
+        self.hits += cached
+        self.prompt_tokens += len(tokens)
+        return cached, hashes
+
+    def store(self, hashes: list[bytes]) -> None:
         # Touched last block first, so the LRU gives up a prompt's tail before its head (vLLM frees a
         # request's blocks in reverse order for the same reason): a shorter shared prefix keeps hitting.
         for digest in reversed(hashes):
@@ -170,11 +182,6 @@ class Engine:
         while len(self.blocks) > self.options.cache_blocks:
             self.blocks.popitem(last=False)
             self.evictions += 1
-        cached = hit * size
-        self.queries += len(tokens)
-        self.hits += cached
-        self.prompt_tokens += len(tokens)
-        return cached
 
 
 class Generation:
@@ -185,12 +192,13 @@ class Generation:
         self.tokens = tokens
         self.count = count
         self.cached = 0
+        self.blocks: list[bytes] = []  # the prompt's block hashes
         self.kv_blocks = math.ceil((len(tokens) + count) / engine.options.block_tokens)
 
     async def __aenter__(self) -> Generation:
         engine = self.engine
         await engine.admit()
-        self.cached = engine.lookup(self.tokens)
+        self.cached, self.blocks = engine.lookup(self.tokens)
         engine.kv_blocks += self.kv_blocks
         return self
 
@@ -205,6 +213,11 @@ class Generation:
         uncached = len(self.tokens) - self.cached
         await asyncio.sleep((options.profile.ttft_ms + options.prefill_ms_per_token * uncached) / 1000.0)
         self.engine.generation_tokens += 1
+
+    def generated(self, answer: list[str]) -> None:
+        """The answer is complete: cache the blocks of prompt and answer, but for its last token (never fed back)."""
+        engine = self.engine
+        engine.store(engine.hashes([*self.tokens, *answer][:-1], self.blocks))
 
     async def decode(self) -> None:
         options = self.engine.options
@@ -225,6 +238,14 @@ def prompt_count(endpoint: str, body: dict[str, Any]) -> int | None:
         return len(prompt_tokens(endpoint, body))
     except (KeyError, TypeError, AttributeError):
         return None
+
+
+def answer_tokens(endpoint: str, text: str) -> list[str]:
+    """The tokens a replica computes after the prompt, as the next prompt will hold them: a chat answer in its
+    template's framing (the generation prompt, the text, the end of turn), a completion's text as it is."""
+    if endpoint == "chat/completions":
+        return chat_tokens([{"role": "assistant", "content": text}])
+    return text.split()
 
 
 def prompt_tokens(endpoint: str, body: dict[str, Any]) -> list[str]:
@@ -268,6 +289,7 @@ async def openai(
             await generation.prefill()
             for _ in range(reply.tokens - 1):
                 await generation.decode()
+            generation.generated(answer_tokens(endpoint, reply.text))
         return Response(200, reply.pieces[0])
     lead = 1 if endpoint == "chat/completions" else 0  # a chat stream opens with its role event
 
@@ -281,6 +303,7 @@ async def openai(
             for piece in pieces[lead + 1 : last]:
                 await generation.decode()
                 yield piece
+            generation.generated(answer_tokens(endpoint, reply.text))
             yield b"".join(pieces[last:])
 
     return Response(200, events(), "text/event-stream")

@@ -137,9 +137,27 @@ def prompt(tag: str) -> list[ChatCompletionMessageParam]:
 
 
 async def cached(http: httpx.AsyncClient, server: Standins, tag: str) -> int:
-    answer = await http.post(server.base_url() + "/chat/completions", json={"model": "sim", "messages": prompt(tag)})
+    # One token of answer: with its framing (78 tokens in all, the last never cached) it fills no fifth block,
+    # so a request caches exactly its prompt's 4 blocks.
+    body = {"model": "sim", "messages": prompt(tag), "max_tokens": 1}
+    answer = await http.post(server.base_url() + "/chat/completions", json=body)
     value: int = answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     return value
+
+
+async def test_the_next_turn_finds_the_previous_answer_cached() -> None:
+    with standin(block_tokens=16, tokens=40) as server:
+        async with client(server) as sdk:
+            messages = prompt("a")
+            first = await sdk.chat.completions.create(model="sim", messages=messages)
+            messages.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+            messages.append({"role": "user", "content": "and then"})
+            second = await sdk.chat.completions.create(model="sim", messages=messages)
+    assert second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    # 74 tokens of prompt, then 3 + 40 + 1 of answer (the last, never computed, not cached): 117 tokens in
+    # cache, 7 full blocks. Without the answer cached, only the prompt's 4 would hit.
+    assert second.usage.prompt_tokens_details.cached_tokens == 7 * 16
 
 
 async def test_the_prefix_cache_evicts_the_least_recently_used_blocks() -> None:

@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from gateway import descriptors, logs
+    from gateway import descriptors, logs, metric_files, supervisor
     from gateway.settings import Listen, LogSettings
 
     settings = _config(args.config)
@@ -79,13 +79,23 @@ def serve(args: argparse.Namespace) -> None:
             os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
         if log.access:
             os.environ["SLUICE_ACCESS_LOG"] = "1"
-        # Prometheus multiprocess mode: each worker writes its metrics under this directory and a scrape sums
-        # them. It must be in the environment before the workers start (prometheus_client reads it on import).
+        # Each worker writes its metrics to files in this directory, in batches, and a scrape sums them
+        # (gateway/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory, but not passed
+        # on as such: it would put prometheus_client in its own mode, one file write per observation.
         metrics_dir = None
-        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sluice-metrics-")
+        given = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", "")
+        if given:
+            os.environ[metric_files.ENVIRONMENT] = given
+        else:
+            metrics_dir = os.environ[metric_files.ENVIRONMENT] = tempfile.mkdtemp(prefix="sluice-metrics-")
         try:
-            uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
+            config = uvicorn.Config("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
+            sockets = supervisor.listening_sockets(listen.host, listen.port, args.workers, config.backlog)
+            try:
+                supervisor.Supervisor(config, sockets).run()
+            finally:
+                for sock in sockets:
+                    sock.close()
         finally:
             if metrics_dir is not None:
                 shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -38,7 +38,7 @@ class Runtime:
 
     async def start(self) -> None:
         """Warm every backend (each bounded by its connect timeout), start the plugins, say what came up."""
-        self.telemetry.start()
+        await self.telemetry.start()
         await self.upstreams.start()
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)

@@ -16,8 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import Gauge
-
 from gateway import errors
 from gateway.context import Target
 from gateway.pool import PoolError, PoolTimeout
@@ -137,12 +135,11 @@ class Upstreams:
 
     def instrument(self, meter: Meter) -> None:
         """The endpoints' health gauge, in the gateway's registry; with several workers, up only if up in all."""
-        gauge = Gauge(
+        gauge = meter.gauge(
             "sluice_endpoint_up",
             "1 while a backend's endpoint (replica) is in service, 0 while it is ejected or removed.",
             ("backend", "endpoint"),
-            registry=meter.registry,
-            multiprocess_mode="livemin",
+            mode="livemin",
         )
         for provider in self.providers.values():
             if isinstance(provider, HttpProvider):

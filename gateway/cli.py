@@ -119,7 +119,8 @@ def sim(args: argparse.Namespace) -> None:
     if sim_fleet.wanted(args):
         sim_fleet.main(args)
         return
-    simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
+    profile = Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens)
+    simulator.main(args.host, args.port, profile, args.stamp_first_token)
 
 
 # What the CLI offers beside serving: (module, help). Each module has add_arguments(parser) and
@@ -157,6 +158,12 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=150.0)
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument(
+        "--stamp-first-token",
+        action="store_true",
+        help="precede a stream's first token with `: sent SECONDS` (an SSE comment: when it was written, on the "
+        "host's monotonic clock), so that a client on this host can measure what lies between",
+    )
     from gateway.tools import sim_fleet
 
     sim_fleet.add_arguments(p)

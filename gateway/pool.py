@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ssl
 import time
@@ -45,6 +46,13 @@ class ConnectError(PoolError):
 
 class ConnectTimeout(ConnectError):
     """The TCP or TLS connection was not made within the connect timeout."""
+
+
+class DescriptorsExhausted(PoolError):
+    """This process is at its file-descriptor limit: no socket can be opened, to this upstream or any other.
+
+    Not a ConnectError: the upstream is not at fault, so it is neither marked down nor retried elsewhere.
+    """
 
 
 class PoolTimeout(PoolError):
@@ -502,6 +510,8 @@ class Pool:
         except TimeoutError as exc:
             raise ConnectTimeout(f"connect to {self.origin.host_header} timed out") from exc
         except (OSError, ssl.SSLError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise DescriptorsExhausted(f"no file descriptor left to connect to {self.origin.host_header}") from exc
             raise ConnectError(f"cannot connect to {self.origin.host_header}: {exc}") from exc
         finally:
             self._opening -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gateway.collector import Collector
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.resp import parse_url
@@ -34,6 +35,7 @@ class Runtime:
         self.warmup = Warmup(settings, self.upstreams, self.meter)
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
         self.pipeline.route = self.responses.route
+        self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 
     async def start(self) -> None:
@@ -45,6 +47,7 @@ class Runtime:
         await self.warmup.start()  # attempted before ready; ready whatever came of it (it is logged)
         redis = await self._redis_state()
         await self.responses.start()
+        self.collector.start()  # last: everything built so far lives as long as the process
         self.started = True
         self._summary(redis)
 
@@ -95,6 +98,7 @@ class Runtime:
         log.info("listening on http://%s:%d", settings.listen.host, settings.listen.port)
 
     async def aclose(self) -> None:
+        self.collector.close()
         cut = await self.pipeline.drain()
         if cut:
             log.warning(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.context import Target
-from gateway.pool import PoolError, PoolTimeout
+from gateway.descriptors import soft_limit
+from gateway.pool import DescriptorsExhausted, PoolError, PoolTimeout
 from gateway.providers.azure import AzureProvider
 from gateway.providers.http import HttpProvider
 from gateway.providers.llamacpp import LlamaCppProvider
@@ -122,6 +124,21 @@ class Upstreams:
         self.chains: dict[str, tuple[Target, ...]] = {model: self._chain(model) for model in self.targets}
         # Backends loading their model (kept by gateway/warmup.py): their models' requests try fallbacks first.
         self.loading: set[str] = set()
+        self.out_of_descriptors = 0  # upstream connections this process could not open: no descriptor left
+        self.said_at = -math.inf
+
+    def descriptors_exhausted(self) -> None:
+        """Counted, and said at most every ten seconds: once at the limit, every new stream meets it."""
+        self.out_of_descriptors += 1
+        now = time.monotonic()
+        if now - self.said_at >= 10.0:
+            self.said_at = now
+            log.warning(
+                "out of file descriptors (soft limit %d; each open stream holds two): requests answered 503 "
+                "(%d so far); raise the limit (LimitNOFILE, ulimit -n) or add workers",
+                soft_limit(),
+                self.out_of_descriptors,
+            )
 
     def _chain(self, model: str) -> tuple[Target, ...]:
         order: list[str] = []
@@ -241,6 +258,8 @@ class Upstreams:
         except PoolError as exc:
             if isinstance(exc, PoolTimeout):
                 target.provider.health.exhausted()
+            elif isinstance(exc, DescriptorsExhausted):
+                self.descriptors_exhausted()
             raise errors.from_pool_error(exc, target.backend) from None
 
     async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:

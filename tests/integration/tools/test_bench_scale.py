@@ -60,4 +60,13 @@ def test_streams_all_completed_through_one_worker(report: bench_scale.ScaleRepor
     assert 0 < s.idle_rss_mb <= s.peak_rss_mb
     assert s.gateway_cpu_s > 0
     assert math.isfinite(s.added(0.99))
+    # The upstream stamped every first token: the gateway's part is what lies between its write and the read.
+    assert len(s.transit_ms) == len(s.written_ms) == s.completed
+    assert min(s.written_ms) >= s.shape.ttft_ms - 1.0
+    assert all(0 < t <= ttft for t, ttft in zip(s.transit_ms, s.ttft_ms, strict=True))
+    assert len(s.direct_transit_ms) == s.shape.streams // bench_streams.DIRECT_EVERY
+    assert all(t > 0 for t in s.direct_transit_ms)
+    assert s.fd_limit > 0
+    assert s.peak_fds > 0  # sampled every second: how many were open then depends on the moment
+    assert s.fd_errors == 0
     assert "## Streams: concurrency in one worker" in report.markdown()

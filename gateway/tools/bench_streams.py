@@ -51,7 +51,7 @@ DONE = b"data: [DONE]"
 OVERHEAD = b"x-sluice-overhead-ms:"
 STAMP = b": sent "  # the upstream's first-token stamp
 DIRECT_EVERY = 50  # one stream in this many has a twin straight to the upstream, opened at the same moment
-EMFILE = "Too many open files"
+EMFILE = ("Too many open files", "out of file descriptors")  # what the gateway logs at its limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +93,7 @@ class Streams:
     seconds: float  # the load generator's, start to last stream ended
     gateway_cpu_s: float  # the gateway's, over the same time
     fd_limit: int  # the gateway's soft RLIMIT_NOFILE
+    idle_fds: int  # what it held open before the load: its own, without streams
     peak_fds: int  # the most it held open, sampled every second
     fd_errors: int  # "Too many open files" lines in its log
     listen_overflows: int  # machine-wide, during the load: a full accept queue
@@ -179,6 +180,7 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
         finally:
             await pool.aclose()
         idle = status_rss_mb(gateway.popen.pid, "VmRSS:")
+        idle_fds = len(os.listdir(f"/proc/{gateway.popen.pid}/fd"))
         load = python_module(
             "gateway.tools.bench_streams",
             *("--port", str(gateway_port), "--reference-port", str(port), "--streams", str(shape.streams)),
@@ -225,6 +227,7 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
         seconds=found["seconds"],
         gateway_cpu_s=cpu,
         fd_limit=limit,
+        idle_fds=idle_fds,
         peak_fds=held.most,
         fd_errors=emfile,
         listen_overflows=round(after[0] - before[0]),
@@ -259,9 +262,10 @@ def fd_limit(pid: int) -> int:
     return 0
 
 
-def logged(child: Child, marker: str) -> int:
+def logged(child: Child, markers: tuple[str, ...]) -> int:
     child.log.seek(0)
-    return child.log.read().decode(errors="replace").count(marker)
+    text = child.log.read().decode(errors="replace")
+    return sum(text.count(marker) for marker in markers)
 
 
 def checks(s: Streams) -> list[Check]:
@@ -301,9 +305,10 @@ def render(s: Streams) -> list[str]:
         f"- Each complete stream: {s.expected_events} events with `[DONE]`, as one straight from the upstream. "
         f"Failures: {failures}.",
         f"- Descriptors: the gateway may hold {s.fd_limit:,} (its soft limit, raised to the hard one) and held at "
-        f"most {s.peak_fds:,}; {sh.streams:,} streams need {needed:,} (a client and an upstream socket each) "
-        f'besides its own; it logged {s.fd_errors} "{EMFILE}". Listen-queue overflows, machine-wide: '
-        f"{s.listen_overflows} ({s.listen_drops} dropped at listen).",
+        f"most {s.peak_fds:,}; {sh.streams:,} streams need {needed:,} (a client and an upstream socket each) and "
+        f"its own {s.idle_fds} (held idle), {needed + s.idle_fds:,} in all; it logged running out "
+        f"{s.fd_errors} time(s). Listen-queue overflows, machine-wide: {s.listen_overflows} ({s.listen_drops} "
+        "dropped at listen).",
         f"- Gateway CPU: {s.gateway_cpu_s:.1f} s over the load generator's {s.seconds:.0f} s "
         f"({100.0 * s.gateway_cpu_s / s.seconds:.0f} % of a core; {1000.0 / sh.tpot_ms:g} token/s a stream).",
         f"- From a stream's start, connected / head / first token: p50 {s.steps(0.5)} ms, p99 {s.steps(0.99)} ms.",

@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from gateway import descriptors, logs, metric_files, supervisor
+    from gateway import descriptors, logs, metric_files
     from gateway.settings import Listen, LogSettings
 
     settings = _config(args.config)
@@ -89,13 +89,7 @@ def serve(args: argparse.Namespace) -> None:
         else:
             metrics_dir = os.environ[metric_files.ENVIRONMENT] = tempfile.mkdtemp(prefix="sluice-metrics-")
         try:
-            config = uvicorn.Config("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
-            sockets = supervisor.listening_sockets(listen.host, listen.port, args.workers, config.backlog)
-            try:
-                supervisor.Supervisor(config, sockets).run()
-            finally:
-                for sock in sockets:
-                    sock.close()
+            uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
         finally:
             if metrics_dir is not None:
                 shutil.rmtree(metrics_dir, ignore_errors=True)

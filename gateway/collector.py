@@ -42,7 +42,7 @@ class Collector:
 
     def start(self) -> None:
         """After start-up: what exists now is kept for the process's life, so no collection need scan it."""
-        gc.collect()
+        gc.collect()  # start-up's garbage first, so that none is frozen with the rest
         gc.freeze()
         self.saved = gc.get_threshold()
         gc.set_threshold(self.saved[0], self.saved[1], NEVER)

@@ -132,7 +132,9 @@ class Response:
         self.acquire_ms = 0.0  # waiting for a connection (opening one included), set by Pool.request
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self._chunks: deque[bytes] = deque()
+        # A list, not a deque: it is emptied whole at every read, and an empty deque costs 760 bytes against a
+        # list's 56, for as long as the response lives (10,000 open streams: 7 MB).
+        self._chunks: list[bytes] = []
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
         self._error: PoolError | None = None
@@ -145,7 +147,7 @@ class Response:
             if chunks:
                 # Everything that has already arrived goes out as one piece: one write to the client
                 # instead of one per upstream chunk, and no chunk waits for anything that has not arrived.
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunk = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
                 self._buffered = 0
                 if self._conn is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from gateway.collector import Collector
@@ -47,7 +48,11 @@ class Runtime:
         await self.warmup.start()  # attempted before ready; ready whatever came of it (it is logged)
         redis = await self._redis_state()
         await self.responses.start()
-        self.collector.start()  # last: everything built so far lives as long as the process
+        # Last: everything built so far lives as long as the process. The collector's schedule is the process's
+        # to set: only a gateway that runs the main thread (`sluice serve`, its workers) sets it; one run in a
+        # thread of another program (an embedding, the tests) leaves that program's own.
+        if threading.current_thread() is threading.main_thread():
+            self.collector.start()
         self.started = True
         self._summary(redis)
 

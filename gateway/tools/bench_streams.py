@@ -306,7 +306,8 @@ def render(s: Streams) -> list[str]:
         f"Failures: {failures}.",
         f"- Descriptors: the gateway may hold {s.fd_limit:,} (its soft limit, raised to the hard one) and held at "
         f"most {s.peak_fds:,}; {sh.streams:,} streams need {needed:,} (a client and an upstream socket each) and "
-        f"its own {s.idle_fds} (held idle), {needed + s.idle_fds:,} in all; it logged running out "
+        f"the {s.idle_fds} it held idle (its warm upstream connections among them), about {needed + s.idle_fds:,} "
+        "in all; it logged running out "
         f"{s.fd_errors} time(s). Listen-queue overflows, machine-wide: {s.listen_overflows} ({s.listen_drops} "
         "dropped at listen).",
         f"- Gateway CPU: {s.gateway_cpu_s:.1f} s over the load generator's {s.seconds:.0f} s "

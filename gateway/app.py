@@ -146,7 +146,7 @@ class Gateway:
         runtime = self.runtime
         if runtime is None:
             return Response(b"gateway is starting\n", status_code=503, media_type="text/plain")
-        body, content_type = runtime.telemetry.exposition(request.headers.get("accept", ""))
+        body, content_type = await runtime.telemetry.exposition(request.headers.get("accept", ""))
         return Response(body, headers={"content-type": content_type})
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:

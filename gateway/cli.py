@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from gateway import descriptors, logs
+    from gateway import descriptors, logs, metric_files
     from gateway.settings import Listen, LogSettings
 
     settings = _config(args.config)
@@ -79,11 +79,15 @@ def serve(args: argparse.Namespace) -> None:
             os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
         if log.access:
             os.environ["SLUICE_ACCESS_LOG"] = "1"
-        # Prometheus multiprocess mode: each worker writes its metrics under this directory and a scrape sums
-        # them. It must be in the environment before the workers start (prometheus_client reads it on import).
+        # Each worker writes its metrics to files in this directory, in batches, and a scrape sums them
+        # (gateway/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory, but not passed
+        # on as such: it would put prometheus_client in its own mode, one file write per observation.
         metrics_dir = None
-        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="sluice-metrics-")
+        given = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", "")
+        if given:
+            os.environ[metric_files.ENVIRONMENT] = given
+        else:
+            metrics_dir = os.environ[metric_files.ENVIRONMENT] = tempfile.mkdtemp(prefix="sluice-metrics-")
         try:
             uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
         finally:
@@ -109,7 +113,8 @@ def sim(args: argparse.Namespace) -> None:
     if sim_fleet.wanted(args):
         sim_fleet.main(args)
         return
-    simulator.main(args.host, args.port, Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens))
+    profile = Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens)
+    simulator.main(args.host, args.port, profile, args.stamp_first_token)
 
 
 # What the CLI offers beside serving: (module, help). Each module has add_arguments(parser) and
@@ -147,6 +152,12 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--ttft-ms", type=float, default=150.0)
     p.add_argument("--tpot-ms", type=float, default=15.0)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument(
+        "--stamp-first-token",
+        action="store_true",
+        help="precede a stream's first token with `: sent SECONDS` (an SSE comment: when it was written, on the "
+        "host's monotonic clock), so that a client on this host can measure what lies between",
+    )
     from gateway.tools import sim_fleet
 
     sim_fleet.add_arguments(p)

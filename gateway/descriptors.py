@@ -13,6 +13,10 @@ import resource
 log = logging.getLogger("sluice")
 
 
+def soft_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def raise_limit() -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard one; (before, after). An unlimited hard limit is left alone."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

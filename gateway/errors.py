@@ -110,6 +110,9 @@ def from_pool_error(exc: pool.PoolError, backend: str) -> GatewayError:
         return UpstreamTimeoutError(f"backend {backend!r}: {exc}", code="connect_timeout")
     if isinstance(exc, pool.ConnectError):
         return UpstreamError(f"backend {backend!r}: {exc}", code="connect_error")
+    if isinstance(exc, pool.DescriptorsExhausted):
+        # The gateway's own limit, not the backend's failure: each open stream holds two descriptors.
+        return ServiceUnavailableError(f"gateway at its file-descriptor limit: {exc}", code="gateway_overloaded")
     if isinstance(exc, pool.PoolTimeout):
         return ServiceUnavailableError(
             f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}",

@@ -14,21 +14,26 @@ Recording is cheap: the labelled children of one label tuple are looked up once 
 costs a dict lookup and a handful of increments, after its response has ended and never per chunk. The
 tenant label is bounded (`telemetry.max_tenants`, then `other`).
 
-With several worker processes (`PROMETHEUS_MULTIPROC_DIR` set, as `sluice serve --workers N` does) every
-process writes its values to files in that directory and a scrape, whichever worker answers it, sums them
-all. Exemplars (the trace id of a sampled request on the bucket it fell in) are kept in single-process mode
-and shown to scrapers that ask for OpenMetrics; the multiprocess files have no place for them.
+With several worker processes (`sluice serve --workers N`) every worker keeps its values in memory as one
+process does, writes them to files in a shared directory in batches, and a scrape, whichever worker answers
+it, has the others write theirs and sums them all (gateway/metric_files.py: no file write per request).
+Under prometheus_client's own multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set by whatever runs the
+gateway) every value is written to its file as it changes, and scrapes sum those. Exemplars (the trace id of
+a sampled request on the bucket it fell in) are kept with one process and shown to scrapers that ask for
+OpenMetrics; the multiprocess files have no place for them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from gateway import metric_files
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -115,8 +120,12 @@ class Metrics:
         backends: Mapping[str, Health] | None = None,
     ) -> None:
         """`labels`: the request-series labels plugins declared, with the value of a request that set none."""
-        self.directory = multiprocess_dir()
+        self.directory = multiprocess_dir()  # prometheus_client's own multiprocess mode
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.gauge_modes = {"sluice_inflight_requests": "livesum", "sluice_backend_up": "livemin"}
+        shared = metric_files.directory() if self.directory is None else None
+        self.files = metric_files.MetricFiles(registry, shared, self.gauge_modes) if shared else None
+        self.exemplars = self.directory is None and self.files is None
         self.extra = dict(labels or {})
         names = (*CORE_LABELS, *self.extra)
         self.ttft = Histogram(
@@ -245,7 +254,7 @@ class Metrics:
             series = self.series[labels] = Series(self, labels)
         series.count(str(outcome.status) if outcome.status else CLIENT_CLOSED)
         # Exemplars only where they can be shown: the multiprocess files do not keep them.
-        exemplar = {"trace_id": trace_id} if trace_id is not None and self.directory is None else None
+        exemplar = {"trace_id": trace_id} if trace_id is not None and self.exemplars else None
         series.observe("duration", total_ms / 1000.0, exemplar)
         if outcome.status < 400:  # an error body is no first token
             if outcome.ttft_ms is not None:
@@ -284,22 +293,41 @@ class Metrics:
 
     # -- /metrics -----------------------------------------------------------------------------------------
 
-    def exposition(self, accept: str) -> tuple[bytes, str]:
-        """The body and content type of a scrape: OpenMetrics (with exemplars) if asked for, else text 0.0.4."""
+    async def start(self) -> None:
+        if self.files is not None:
+            await self.files.start()
+
+    def refresh(self) -> None:
+        """The series read at scrape time from elsewhere (Redis failures, backend health): nothing per request."""
         self.sync()
-        for name, health in self.backends.items():  # read at scrape time only: nothing per request
+        for name, health in self.backends.items():
             self.backend_up.labels(name).set(0 if health.down else 1)
             if health.pool_exhausted != self.exhausted_seen[name]:
                 self.pool_exhausted.labels(name).inc(health.pool_exhausted - self.exhausted_seen[name])
                 self.exhausted_seen[name] = health.pool_exhausted
+
+    async def gather(self) -> None:
+        """Before a scrape: with several workers, every live worker's values written where the scrape sums them."""
+        if self.files is not None:
+            self.refresh()
+            await self.files.gather()
+
+    def exposition(self, accept: str) -> tuple[bytes, str]:
+        """The body and content type of a scrape: OpenMetrics (with exemplars) if asked for, else text 0.0.4."""
+        self.refresh()
         registry = self.registry
-        if self.directory is not None:
+        if self.files is not None:
+            self.files.write()
+            registry = self.files.exposition_registry()
+        elif self.directory is not None:
             registry = CollectorRegistry()
             MultiProcessCollector(registry, self.directory)
         encode, content_type = choose_encoder(accept)
         return encode(registry), content_type
 
     def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
         if self.directory is not None:
             # This process's gauges (in flight, and the plugins') stop counting; its counters stay in the sums.
             mark_process_dead(os.getpid(), self.directory)
@@ -310,11 +338,15 @@ class Meter:
 
     def __init__(self, metrics: Metrics) -> None:
         self.registry = metrics.registry
+        self.modes = metrics.gauge_modes
         self.tenant = metrics.tenant_label  # the bounded tenant label: use it for any tenant-labelled series
 
     def counter(self, name: str, documentation: str, labels: Iterable[str]) -> Counter:
         return Counter(name, documentation, tuple(labels), registry=self.registry)
 
-    def gauge(self, name: str, documentation: str, labels: Iterable[str]) -> Gauge:
-        """With several workers a scrape shows the sum over the live ones."""
-        return Gauge(name, documentation, tuple(labels), registry=self.registry, multiprocess_mode="livesum")
+    def gauge(
+        self, name: str, documentation: str, labels: Iterable[str], mode: Literal["livesum", "livemin"] = "livesum"
+    ) -> Gauge:
+        """With several workers a scrape shows the sum over the live ones (`livemin`: the least of them)."""
+        self.modes[name] = mode
+        return Gauge(name, documentation, tuple(labels), registry=self.registry, multiprocess_mode=mode)

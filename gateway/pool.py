@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import ssl
 import time
@@ -45,6 +46,13 @@ class ConnectError(PoolError):
 
 class ConnectTimeout(ConnectError):
     """The TCP or TLS connection was not made within the connect timeout."""
+
+
+class DescriptorsExhausted(PoolError):
+    """This process is at its file-descriptor limit: no socket can be opened, to this upstream or any other.
+
+    Not a ConnectError: the upstream is not at fault, so it is neither marked down nor retried elsewhere.
+    """
 
 
 class PoolTimeout(PoolError):
@@ -124,7 +132,9 @@ class Response:
         self.acquire_ms = 0.0  # waiting for a connection (opening one included), set by Pool.request
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self._chunks: deque[bytes] = deque()
+        # A list, not a deque: it is emptied whole at every read, and an empty deque costs 760 bytes against a
+        # list's 56, for as long as the response lives (10,000 open streams: 7 MB).
+        self._chunks: list[bytes] = []
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
         self._error: PoolError | None = None
@@ -137,7 +147,7 @@ class Response:
             if chunks:
                 # Everything that has already arrived goes out as one piece: one write to the client
                 # instead of one per upstream chunk, and no chunk waits for anything that has not arrived.
-                chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunk = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 chunks.clear()
                 self._buffered = 0
                 if self._conn is not None:
@@ -502,6 +512,8 @@ class Pool:
         except TimeoutError as exc:
             raise ConnectTimeout(f"connect to {self.origin.host_header} timed out") from exc
         except (OSError, ssl.SSLError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise DescriptorsExhausted(f"no file descriptor left to connect to {self.origin.host_header}") from exc
             raise ConnectError(f"cannot connect to {self.origin.host_header}: {exc}") from exc
         finally:
             self._opening -= 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
+from gateway.collector import Collector
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.resp import parse_url
@@ -34,17 +36,23 @@ class Runtime:
         self.warmup = Warmup(settings, self.upstreams, self.meter)
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
         self.pipeline.route = self.responses.route
+        self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 
     async def start(self) -> None:
         """Warm every backend (each bounded by its connect timeout), start the plugins, say what came up."""
-        self.telemetry.start()
+        await self.telemetry.start()
         await self.upstreams.start()
         for _, startup in hooks(self.plugins, "startup"):
             await startup(self)
         await self.warmup.start()  # attempted before ready; ready whatever came of it (it is logged)
         redis = await self._redis_state()
         await self.responses.start()
+        # Last: everything built so far lives as long as the process. The collector's schedule is the process's
+        # to set: only a gateway that runs the main thread (`sluice serve`, its workers) sets it; one run in a
+        # thread of another program (an embedding, the tests) leaves that program's own.
+        if threading.current_thread() is threading.main_thread():
+            self.collector.start()
         self.started = True
         self._summary(redis)
 
@@ -95,6 +103,7 @@ class Runtime:
         log.info("listening on http://%s:%d", settings.listen.host, settings.listen.port)
 
     async def aclose(self) -> None:
+        self.collector.close()
         cut = await self.pipeline.drain()
         if cut:
             log.warning(

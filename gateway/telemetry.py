@@ -50,8 +50,9 @@ class Telemetry:
         self.tracing_enabled = tracecontext.enabled(settings.telemetry)
         self.tracing: Tracing | None = None
 
-    def start(self) -> None:
-        """Start the span export thread: per process, after any fork, as the SDK advises."""
+    async def start(self) -> None:
+        """Start the span export thread: per process, after any fork, as the SDK advises; and metrics sharing."""
+        await self.metrics.start()
         if self.tracing_enabled and self.tracing is None:
             from gateway.tracing import Tracing  # the OpenTelemetry SDK is imported only when tracing is on
 
@@ -78,7 +79,9 @@ class Telemetry:
         """A request refused before it was routed (bad JSON, unknown model, too large): counted, not traced."""
         self.metrics.rejected(status)
 
-    def exposition(self, accept: str) -> tuple[bytes, str]:
+    async def exposition(self, accept: str) -> tuple[bytes, str]:
+        """A scrape: with several workers, the others are first asked for their values (gateway/metric_files.py)."""
+        await self.metrics.gather()
         return self.metrics.exposition(accept)
 
     def close(self) -> None:

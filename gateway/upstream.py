@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import Gauge
-
 from gateway import errors
 from gateway.context import Target
-from gateway.pool import PoolError, PoolTimeout
+from gateway.descriptors import soft_limit
+from gateway.pool import DescriptorsExhausted, PoolError, PoolTimeout
 from gateway.providers.azure import AzureProvider
 from gateway.providers.http import HttpProvider
 from gateway.providers.llamacpp import LlamaCppProvider
@@ -124,6 +124,21 @@ class Upstreams:
         self.chains: dict[str, tuple[Target, ...]] = {model: self._chain(model) for model in self.targets}
         # Backends loading their model (kept by gateway/warmup.py): their models' requests try fallbacks first.
         self.loading: set[str] = set()
+        self.out_of_descriptors = 0  # upstream connections this process could not open: no descriptor left
+        self.said_at = -math.inf
+
+    def descriptors_exhausted(self) -> None:
+        """Counted, and said at most every ten seconds: once at the limit, every new stream meets it."""
+        self.out_of_descriptors += 1
+        now = time.monotonic()
+        if now - self.said_at >= 10.0:
+            self.said_at = now
+            log.warning(
+                "out of file descriptors (soft limit %d; each open stream holds two): requests answered 503 "
+                "(%d so far); raise the limit (LimitNOFILE, ulimit -n) or add workers",
+                soft_limit(),
+                self.out_of_descriptors,
+            )
 
     def _chain(self, model: str) -> tuple[Target, ...]:
         order: list[str] = []
@@ -137,12 +152,11 @@ class Upstreams:
 
     def instrument(self, meter: Meter) -> None:
         """The endpoints' health gauge, in the gateway's registry; with several workers, up only if up in all."""
-        gauge = Gauge(
+        gauge = meter.gauge(
             "sluice_endpoint_up",
             "1 while a backend's endpoint (replica) is in service, 0 while it is ejected or removed.",
             ("backend", "endpoint"),
-            registry=meter.registry,
-            multiprocess_mode="livemin",
+            mode="livemin",
         )
         for provider in self.providers.values():
             if isinstance(provider, HttpProvider):
@@ -244,6 +258,8 @@ class Upstreams:
         except PoolError as exc:
             if isinstance(exc, PoolTimeout):
                 target.provider.health.exhausted()
+            elif isinstance(exc, DescriptorsExhausted):
+                self.descriptors_exhausted()
             raise errors.from_pool_error(exc, target.backend) from None
 
     async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import ssl
+import time
 from collections import deque
 from typing import Any, cast
 from urllib.parse import unquote
@@ -44,14 +45,18 @@ _MAX_TOKENS = 100_000
 class State:
     """What the connections of one server share: the profile and the count of model calls.
 
-    Setting `profile` on a running server changes how every connection answers its next request.
+    Setting `profile` on a running server changes how every connection answers its next request. With `stamp`,
+    a stream's first token is preceded by an SSE comment, `: sent SECONDS`, the time it was written on the host's
+    monotonic clock (`time.perf_counter`): a client on the same host can tell what lay between the upstream and
+    itself (a gateway, say) from what was the upstream's own delay. Clients skip SSE comments.
     """
 
-    __slots__ = ("profile", "requests")
+    __slots__ = ("profile", "requests", "stamp")
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, stamp: bool = False) -> None:
         self.profile = profile
         self.requests = 0
+        self.stamp = stamp
 
 
 class _Request:
@@ -185,7 +190,7 @@ class _Connection(asyncio.Protocol):
         pieces = reply.pieces
         now = self.loop.time()
         while self.index < len(pieces) and self._due_at(self.index) <= now:
-            out.append(self._frame(pieces[self.index]))
+            out.append(self._frame(self._piece(self.index)))
             self.index += 1
         done = self.index == len(pieces)
         if done and reply.stream:
@@ -204,11 +209,18 @@ class _Connection(asyncio.Protocol):
         reply = self.reply
         if reply is not None:
             # The piece the timer was set for is due, even if the loop's clock reads a hair earlier.
-            piece = reply.pieces[self.index]
+            piece = self._piece(self.index)
             self.index += 1
             self._play([self._frame(piece)])
             if self.reply is None:
                 self._next()
+
+    def _piece(self, index: int) -> bytes:
+        assert self.reply is not None
+        piece = self.reply.pieces[index]
+        if index == 0 and self.server.stamp and self.reply.stream:
+            return b": sent %.6f\n\n%b" % (time.perf_counter(), piece)
+        return piece
 
     def _due_at(self, index: int) -> float:
         assert self.reply is not None
@@ -330,8 +342,8 @@ async def start_server(
     return await loop.create_server(lambda: _Connection(shared), host, port, backlog=2048, ssl=tls)
 
 
-async def _serve(host: str, port: int, profile: Profile) -> None:
-    server = await start_server(host, port, profile)
+async def _serve(host: str, port: int, profile: Profile, stamp: bool) -> None:
+    server = await start_server(host, port, profile, State(profile, stamp))
     bound = server.sockets[0].getsockname()[1]
     print(
         f"sluice sim listening on http://{host}:{bound}/v1 "
@@ -342,7 +354,7 @@ async def _serve(host: str, port: int, profile: Profile) -> None:
         await server.serve_forever()
 
 
-def main(host: str, port: int, profile: Profile) -> None:
+def main(host: str, port: int, profile: Profile, stamp: bool = False) -> None:
     """Serve until interrupted, on uvloop where it is installed."""
     try:
         import uvloop
@@ -351,4 +363,4 @@ def main(host: str, port: int, profile: Profile) -> None:
     else:
         run = uvloop.run
     with contextlib.suppress(KeyboardInterrupt):
-        run(_serve(host, port, profile))
+        run(_serve(host, port, profile, stamp))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.tools import bench, bench_scale, bench_streams
+from gateway.tools import bench, bench_scale, bench_streams, bench_workers
 
 COMMAND = "sluice bench --smoke --scenario workers,streams"
 
@@ -23,16 +23,18 @@ def report() -> bench_scale.ScaleReport:
 def test_workers_served_every_request_and_metrics_summed_them(report: bench_scale.ScaleReport) -> None:
     w = report.workers
     assert w is not None
-    assert sorted(w.runs) == [1, 2]
+    assert list(w.runs) == [bench_workers.ONE, bench_workers.TWO, bench_workers.PAIR]
     assert w.errors == 0
-    for n, run in w.runs.items():
-        assert run.answered == run.sent - bench.SMOKE.concurrency  # the priming requests are not timed
-        assert run.counted == run.sent, f"{n} worker(s): /metrics counted {run.counted} of {run.sent}"
+    for name, run in w.runs.items():
+        assert run.answered == run.sent - bench_workers.CLIENTS  # each client's priming request is not timed
+        assert run.counted == run.sent, f"{name}: /metrics counted {run.counted} of {run.sent}"
         assert run.cpu_s > 0
         assert math.isfinite(run.cpu_ms_per_request)
-    assert w.runs[1].processes == 1
-    assert w.runs[2].processes >= 3  # the supervisor and its two workers
+    assert w.runs[bench_workers.ONE].processes == 1
+    assert w.runs[bench_workers.TWO].processes >= 3  # the supervisor and its two workers
+    assert w.runs[bench_workers.PAIR].processes == 2
     assert math.isfinite(w.ratio)
+    assert math.isfinite(w.over(bench_workers.ONE))
 
 
 def test_the_page_judges_the_targets(report: bench_scale.ScaleReport) -> None:
@@ -58,4 +60,13 @@ def test_streams_all_completed_through_one_worker(report: bench_scale.ScaleRepor
     assert 0 < s.idle_rss_mb <= s.peak_rss_mb
     assert s.gateway_cpu_s > 0
     assert math.isfinite(s.added(0.99))
+    # The upstream stamped every first token: the gateway's part is what lies between its write and the read.
+    assert len(s.transit_ms) == len(s.written_ms) == s.completed
+    assert min(s.written_ms) >= s.shape.ttft_ms - 1.0
+    assert all(0 < t <= ttft for t, ttft in zip(s.transit_ms, s.ttft_ms, strict=True))
+    assert len(s.direct_transit_ms) == s.shape.streams // bench_streams.DIRECT_EVERY
+    assert all(t > 0 for t in s.direct_transit_ms)
+    assert s.fd_limit > 0
+    assert s.peak_fds > 0  # sampled every second: how many were open then depends on the moment
+    assert s.fd_errors == 0
     assert "## Streams: concurrency in one worker" in report.markdown()

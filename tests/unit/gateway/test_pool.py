@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import inspect
 import json
+import os
+import resource
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -18,6 +20,7 @@ from gateway.pool import (
     HIGH_WATER,
     ConnectError,
     ConnectTimeout,
+    DescriptorsExhausted,
     Pool,
     PoolLimits,
     PoolTimeout,
@@ -548,3 +551,26 @@ def test_on_uvloop(scenario: Callable[..., Awaitable[None]]) -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(run())
+
+
+async def test_a_process_out_of_descriptors_is_told_apart_from_an_upstream_that_refuses() -> None:
+    server = await asyncio.start_server(lambda _r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(f"http://127.0.0.1:{port}", PoolLimits(warm=0))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[socket.socket] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+        with contextlib.suppress(OSError):
+            while len(held) < 64:
+                held.append(socket.socket())  # until this process has no descriptor left
+        with pytest.raises(DescriptorsExhausted):
+            await pool.request(b"GET", b"/", b"", b"")
+    finally:
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        await pool.aclose()
+        server.close()
+        await server.wait_closed()
+    assert not issubclass(DescriptorsExhausted, ConnectError)  # so the backend is neither marked down nor retried

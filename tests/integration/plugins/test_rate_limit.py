@@ -390,8 +390,11 @@ async def test_many_requests_per_sync(redis_server: RedisServer) -> None:
         elapsed = time.monotonic() - started
         syncs = script_calls(redis_server) - calls
     assert statuses == [{200: 2000}]
-    # Paced by time (a lease is about 200 ms of traffic), not by requests; without leases: one per request.
-    assert syncs <= min(2000 / 10, 10 + 20 * elapsed), (syncs, elapsed)
+    # Batched: without leases, one call per request (2,000). A lease is about 200 ms of this process's traffic,
+    # so a steady run makes a few syncs a second (about 35 in 3 to 4 s here); a machine that stalls the loop
+    # shortens the windows the rate is observed over and so the leases (138 in 3.4 s, seen once): the bound is
+    # a tenth of the requests, not a rate.
+    assert syncs <= 2000 / 10, (syncs, elapsed)
 
 
 async def test_leases_are_given_back_at_shutdown(redis_server: RedisServer) -> None:

@@ -149,22 +149,84 @@ class Batch:
 
 
 class Connection(asyncio.Protocol):
-    """One socket: commands go out as they come, replies settle the FIFO of futures in order."""
+    """One socket: commands go out as they come, replies settle the FIFO of futures in order.
 
-    def __init__(self, on_lost: Callable[[Connection], None]) -> None:
+    What the callers of one loop iteration send goes out in one write at the end of the iteration: a burst
+    of requests that each look something up costs the socket one write, not one each. Each waiter has a
+    deadline; one timer per connection, armed for the oldest, fails them in order (a deadline is a fixed
+    time after sending, and the FIFO is in sending order), so a call arms no timer of its own.
+    """
+
+    def __init__(self, on_lost: Callable[[Connection], None], timeout_s: float = 0.05) -> None:
         self.reader = hiredis.Reader(replyError=ReplyError)
         self.pending: collections.deque[asyncio.Future[Any] | Batch] = collections.deque()
+        self.due: collections.deque[float] = collections.deque()  # each pending waiter's deadline (loop time)
+        self.expired = 0  # waiters at the front of `pending` already failed by their deadline
+        self.out: list[bytes] = []  # commands to write at the end of this loop iteration
         self.transport: asyncio.Transport | None = None
         self.on_lost = on_lost
+        self.timeout_s = timeout_s
+        self.timer: asyncio.TimerHandle | None = None
         self.stalled_at: float | None = None  # when a call timed out with nothing read since
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass, but is one
 
     def send(self, data: bytes, waiter: asyncio.Future[Any] | Batch) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
+        out = self.out
+        out.append(data)
+        if len(out) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.expect(waiter)
+
+    def expect(self, waiter: asyncio.Future[Any] | Batch) -> None:
+        """`waiter` gets the reply after those of the waiters already pending, or fails at its deadline."""
         self.pending.append(waiter)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.timeout_s
+        self.due.append(due)
+        if self.timer is None:
+            self.timer = loop.call_at(due, self.sweep)
+
+    def flush(self) -> None:
+        out = self.out
+        if out and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        out.clear()
+
+    def sweep(self) -> None:
+        """Fail the waiters whose deadline has passed, oldest first, then wait for the next deadline."""
+        self.timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        pending, due = self.pending, self.due
+        while self.expired < len(pending):
+            deadline = due[self.expired]
+            if deadline > now:
+                self.timer = loop.call_at(deadline, self.sweep)
+                return
+            waiter = pending[self.expired]
+            self.expired += 1
+            future = waiter.future if isinstance(waiter, Batch) else waiter
+            if not future.done():
+                future.set_exception(TimeoutError("redis did not answer in time"))
+                self.timed_out(now)
+
+    def timed_out(self, now: float) -> None:
+        if self.stalled_at is None:
+            self.stalled_at = now
+        elif now - self.stalled_at > STALE_S:
+            # Calls have been timing out for a while and not a byte has come back: the socket is likely dead
+            # without a reset (a vanished host). Drop it so that a fresh connection is tried; a merely slow
+            # server keeps its connection, and its late replies are dropped in their turn.
+            self.abort()
+
+    def answered(self) -> None:
+        """The oldest waiter has had its reply."""
+        self.pending.popleft()
+        self.due.popleft()
+        if self.expired:
+            self.expired -= 1
 
     def data_received(self, data: bytes) -> None:
         self.stalled_at = None
@@ -187,12 +249,12 @@ class Connection(asyncio.Protocol):
                 waiter.replies.append(reply)
                 if len(waiter.replies) < waiter.size:
                     continue
-                pending.popleft()
+                self.answered()
                 if not waiter.future.done():
                     waiter.future.set_result(waiter.replies)
                 continue
             assert isinstance(waiter, asyncio.Future)
-            pending.popleft()
+            self.answered()
             if waiter.done():
                 continue  # its caller gave up; the reply is dropped in its turn
             if reply.__class__ is ReplyError:
@@ -202,30 +264,22 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.out.clear()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         while self.pending:
             waiter = self.pending.popleft()
             future = waiter.future if isinstance(waiter, Batch) else waiter
             if not future.done():
                 future.set_exception(ConnectionError("redis connection lost"))
+        self.due.clear()
+        self.expired = 0
         self.on_lost(self)
 
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()  # connection_lost follows, on the next loop iteration
-
-
-def expire(future: asyncio.Future[Any], connection: Connection) -> None:
-    if future.done():
-        return
-    future.set_exception(TimeoutError("redis did not answer in time"))
-    now = asyncio.get_running_loop().time()
-    if connection.stalled_at is None:
-        connection.stalled_at = now
-    elif now - connection.stalled_at > STALE_S:
-        # Calls have been timing out for a while and not a byte has come back: the socket is likely dead
-        # without a reset (a vanished host). Drop it so that a fresh connection is tried; a merely slow
-        # server keeps its connection, and its late replies are dropped in their turn.
-        connection.abort()
 
 
 class Node:
@@ -262,14 +316,9 @@ class Node:
             connection = live[turn]
         else:
             connection = await self.connection()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future = asyncio.get_running_loop().create_future()
         connection.send(data, future if batch is None else Batch(future, batch))
-        timer = loop.call_later(self.options.timeout_s, expire, future, connection)
-        try:
-            return await future
-        finally:
-            timer.cancel()
+        return await future
 
     async def connection(self) -> Connection:
         """A live connection, waiting for the one connect attempt under way (or starting it) if need be."""
@@ -312,7 +361,7 @@ class Node:
         loop = asyncio.get_running_loop()
         options = self.options
         _, connection = await loop.create_connection(
-            lambda: Connection(self.lost),
+            lambda: Connection(self.lost, options.timeout_s),
             self.host,
             self.port,
             ssl=options.tls,

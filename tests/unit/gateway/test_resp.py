@@ -61,7 +61,7 @@ async def test_replies_split_anywhere_reach_their_callers_in_order() -> None:
     first, second, third = loop.create_future(), loop.create_future(), loop.create_future()
     batch = Batch(third, 2)
     for waiter in (first, second, batch):
-        connection.pending.append(waiter)
+        connection.expect(waiter)
     stream = b"$5\r\nhello\r\n-ERR wrong\r\n*2\r\n:1\r\n$-1\r\n+OK\r\n"
     for i in range(len(stream)):
         connection.data_received(stream[i : i + 1])
@@ -79,6 +79,61 @@ async def test_a_reply_for_a_call_that_gave_up_is_dropped_in_its_turn() -> None:
     connection = Connection(lambda _: None)
     gone, waiting = loop.create_future(), loop.create_future()
     gone.cancel()
-    connection.pending.extend((gone, waiting))
+    connection.expect(gone)
+    connection.expect(waiting)
     connection.data_received(b"$5\r\nstale\r\n$5\r\nfresh\r\n")
     assert waiting.result() == b"fresh"
+
+
+class Wire(asyncio.Transport):
+    """The socket under a Connection: records what is written, as one entry per write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+
+async def test_the_commands_of_one_loop_iteration_go_out_in_one_write() -> None:
+    loop = asyncio.get_running_loop()
+    connection = Connection(lambda _: None, timeout_s=5.0)
+    wire = Wire()
+    connection.connection_made(wire)
+    futures = [loop.create_future() for _ in range(100)]
+    for i, future in enumerate(futures):
+        connection.send(encode(("GET", f"k{i}")), future)
+    assert wire.writes == []  # nothing is written before the iteration ends
+    await asyncio.sleep(0)
+    assert wire.writes == [b"".join(encode(("GET", f"k{i}")) for i in range(100))]
+    connection.data_received(b"".join(b"$2\r\nv%d\r\n" % (i % 10) for i in range(100)))
+    assert [f.result() for f in futures] == [b"v%d" % (i % 10) for i in range(100)]
+    connection.send(encode(("PING",)), loop.create_future())
+    await asyncio.sleep(0)
+    assert len(wire.writes) == 2  # the next iteration's command is a write of its own
+
+
+async def test_calls_fail_at_their_own_deadlines_in_order_and_later_replies_still_match() -> None:
+    loop = asyncio.get_running_loop()
+    connection = Connection(lambda _: None, timeout_s=0.2)
+    connection.connection_made(Wire())
+    first = loop.create_future()
+    connection.send(b"", first)
+    await asyncio.sleep(0.1)
+    second = loop.create_future()
+    connection.send(b"", second)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(first, 5.0)
+    failed_first = loop.time()
+    assert not second.done()  # its deadline is 0.1 s later
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(second, 5.0)
+    assert loop.time() - failed_first >= 0.09
+    third = loop.create_future()
+    connection.send(b"", third)
+    connection.data_received(b"+late\r\n+late\r\n+OK\r\n")  # the two late replies are dropped in their turn
+    assert third.result() == b"OK"
+    assert not connection.pending
+    assert not connection.due
+    assert connection.expired == 0

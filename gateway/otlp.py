@@ -30,9 +30,10 @@ from typing import Any
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status
 
 log = logging.getLogger("sluice.tracing")
 
@@ -116,6 +117,31 @@ class Encoder:
         """One Span message's fields (without its own tag and length)."""
         context = span.context
         assert context is not None  # a finished span always has one
+        return self.encode(
+            context,
+            span.parent,
+            span.name,
+            span.kind,
+            span.start_time or 0,
+            span.end_time or 0,
+            span.attributes,
+            span.events,
+            span.status,
+        )
+
+    def encode(
+        self,
+        context: SpanContext,
+        parent: SpanContext | None,
+        name: str,
+        kind: SpanKind,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, Any] | None,
+        events: Sequence[Event],
+        status: Status,
+    ) -> bytes:
+        """A Span message's fields from what a finished span holds, with no span object made for it."""
         parts = [
             TRACE_ID + b"\x10" + context.trace_id.to_bytes(16, "big"),
             SPAN_ID + b"\x08" + context.span_id.to_bytes(8, "big"),
@@ -123,18 +149,16 @@ class Encoder:
         state = context.trace_state
         if state:
             parts.append(field(TRACE_STATE, state.to_header().encode()))
-        parent = span.parent
         if parent is not None:
             parts.append(PARENT_ID + b"\x08" + parent.span_id.to_bytes(8, "big"))
-        parts.append(field(NAME, span.name.encode()))
-        parts.append(KIND + varint(span.kind.value + 1))  # the proto's enum has UNSPECIFIED at 0
-        parts.append(START + FIXED64.pack(span.start_time or 0))
-        parts.append(END + FIXED64.pack(span.end_time or 0))
-        parts.append(self.attributes(ATTRIBUTE, span.attributes))
-        for event in span.events:
+        parts.append(field(NAME, name.encode()))
+        parts.append(KIND + varint(kind.value + 1))  # the proto's enum has UNSPECIFIED at 0
+        parts.append(START + FIXED64.pack(start_ns))
+        parts.append(END + FIXED64.pack(end_ns))
+        parts.append(self.attributes(ATTRIBUTE, attributes))
+        for event in events:
             body = b"\x09" + FIXED64.pack(event.timestamp) + field(b"\x12", event.name.encode())
             parts.append(field(EVENT, body + self.attributes(b"\x1a", event.attributes)))
-        status = span.status
         body = field(b"\x12", status.description.encode()) if status.description else b""
         if status.status_code.value:
             body += b"\x18" + varint(status.status_code.value)
@@ -177,5 +201,11 @@ class LeanOTLPSpanExporter(OTLPSpanExporter):
             data = self.encoder.request([encode(span) for span in spans])
         except (TypeError, ValueError, OverflowError):
             return super().export(spans)  # an attribute the lean encoder does not know: the SDK's rules
-        result = self._client.export(data)
-        return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS if self._client.export(data).success else SpanExportResult.FAILURE
+
+    def send(self, spans: Sequence[bytes]) -> bool:
+        """Spans encoded by `encoder.encode`, in one request through the SDK's client (its retries, back-off,
+        compression, TLS and headers); True if the collector took them."""
+        if self._shutdown:
+            return False
+        return bool(self._client.export(self.encoder.request(spans)).success)

@@ -73,9 +73,7 @@ class Layout:
             size += 1
         self.size = size
 
-    def spans(
-        self, trace_id: int, remote: SpanContext | None, tracing: Tracing, wall_ns: int, perf: float
-    ) -> list[ReadableSpan]:
+    def spans(self, trace_id: int, remote: SpanContext | None, tracing: Tracing, wall_ns: int, perf: float) -> Spans:
         ex, outcome = self.ex, self.outcome
         if outcome.total_ms <= 0:  # the client left mid-way: the request ended when the task did
             self.end = max(self.end, (perf - ex.started) * 1000.0)
@@ -124,7 +122,7 @@ class Layout:
             if outcome.ttft_ms is not None:
                 events.append(Event("first_token", {"sluice.ttft_ms": outcome.ttft_ms}, made.ns(outcome.ttft_ms)))
             made.add("stream", stream_parent, self.head, self.end, {"sluice.chunks": outcome.chunks}, events=events)
-        return made.spans
+        return made
 
     def root_attributes(self, tracing: Tracing) -> dict[str, Any]:
         ex, outcome = self.ex, self.outcome
@@ -215,16 +213,22 @@ class Layout:
 
 
 class Spans:
-    """The finished spans of one trace, placed on the wall clock from ms offsets since the request's arrival."""
+    """The finished spans of one trace, placed on the wall clock from ms offsets since the request's arrival:
+    encoded for OTLP as they are made when tracing has the lean encoder, else as the SDK's span objects."""
 
-    __slots__ = ("anchor", "resource", "scope", "spans", "trace_id")
+    __slots__ = ("anchor", "encoded", "encoder", "resource", "scope", "spans", "trace_id")
 
     def __init__(self, trace_id: int, anchor_ns: int, tracing: Tracing) -> None:
         self.trace_id = trace_id
         self.anchor = anchor_ns
         self.resource = tracing.resource
         self.scope = tracing.scope
+        self.encoder = tracing.encoder
         self.spans: list[ReadableSpan] = []
+        self.encoded: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.encoded) + len(self.spans)
 
     def ns(self, ms: float) -> int:
         return self.anchor + int(ms * 1e6)
@@ -243,6 +247,12 @@ class Spans:
     ) -> SpanContext:
         """Add a finished span; return its context, the parent of the spans under it."""
         context = SpanContext(self.trace_id, span_id or random.getrandbits(64) or 1, False, SAMPLED)
+        if self.encoder is not None:
+            encoded = self.encoder.encode(
+                context, parent, name, kind, self.ns(start), self.ns(end), attributes, events, status
+            )
+            self.encoded.append(encoded)
+            return context
         self.spans.append(
             ReadableSpan(
                 name,

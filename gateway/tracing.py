@@ -5,8 +5,9 @@ On the request path only the trace context is decided (`begin`): the trace id is
 (parent-based, else TraceIdRatio on the trace id, exactly as the SDK's `ParentBased(TraceIdRatioBased)`
 decides) and `ex.traceparent` is set, so that the upstream continues the same trace under the inference span.
 Nothing else happens until the completion task, where `record` lays the spans out on the perf_counter stage
-timings and hands them, already ended, to a BatchSpanProcessor that exports them in its own thread: over
-OTLP/HTTP, or to Zipkin's v2 JSON API (`telemetry.exporter: zipkin`).
+timings, already ended. Over OTLP/HTTP (the default) each span is encoded to protobuf as it is laid out and
+the bytes wait in a bounded queue that one thread sends in batches (span_queue.py); to Zipkin's v2 JSON API
+(`telemetry.exporter: zipkin`) they are the SDK's span objects, exported by its BatchSpanProcessor.
 
     POST /v1/chat/completions       SERVER  arrival -> last byte
     |-- parse, auth, cache, ...             one per stage in ex.timings, back to back
@@ -44,7 +45,8 @@ from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext
 
-from gateway.otlp import LeanOTLPSpanExporter
+from gateway.otlp import Encoder, LeanOTLPSpanExporter
+from gateway.span_queue import SpanQueue
 from gateway.spans import SAMPLED, Layout
 from gateway.tracecontext import incoming
 
@@ -59,6 +61,7 @@ LOW_64 = (1 << 64) - 1
 SHUTDOWN_WAIT_S = 2.0
 DEFAULT_QUEUE = 2048  # the SDK's defaults
 DEFAULT_BATCH = 512
+DEFAULT_DELAY_MS = 5000
 SpanCounter = Callable[[str, int], None]
 
 
@@ -112,15 +115,29 @@ class CountingExporter(SpanExporter):
             log.debug("span export failed", exc_info=True)
             why = f"{type(exc).__name__}: {exc}"
             result = SpanExportResult.FAILURE
-        ok = result is SpanExportResult.SUCCESS
+        self.settle(result is SpanExportResult.SUCCESS, why, len(spans))
+        return result
+
+    def send(self, spans: Sequence[bytes]) -> None:
+        """Encoded spans (the span queue's batch) through the lean exporter, counted and logged the same way."""
+        assert isinstance(self.inner, LeanOTLPSpanExporter)
+        why = "the collector refused or did not answer"
+        try:
+            ok = self.inner.send(spans)
+        except Exception as exc:
+            log.debug("span export failed", exc_info=True)
+            why = f"{type(exc).__name__}: {exc}"
+            ok = False
+        self.settle(ok, why, len(spans))
+
+    def settle(self, ok: bool, why: str, spans: int) -> None:
         if ok == self.failing:
             self.failing = not ok
             if ok:
                 log.warning("trace collector recovered: spans are exported again")
             else:
                 log.warning("trace collector failing (%s): spans are dropped and counted as export_failed", why)
-        self.count("exported" if ok else "export_failed", len(spans))
-        return result
+        self.count("exported" if ok else "export_failed", spans)
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -158,12 +175,25 @@ class Tracing:
         attributes["service.instance.id"] = uuid.uuid4().hex  # one per worker process
         self.resource = HashedResource(Resource.create(attributes))
         self.scope = InstrumentationScope("sluice", _package_version())
-        self.exporter = CountingExporter(exporter or span_exporter(telemetry, self.resource, self.scope), count)
-        # The queue's size is ours to know, to drop whole traces before it overflows; the delay between exports
-        # is the SDK's to read (OTEL_BSP_SCHEDULE_DELAY, 5 s by default).
+        inner = exporter or span_exporter(telemetry, self.resource, self.scope)
+        self.exporter = CountingExporter(inner, count)
+        # The queue's size is ours to know, to drop whole traces before it overflows.
         self.capacity = bsp_setting("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_QUEUE)
         batch = min(bsp_setting("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH), self.capacity)
-        self.processor = BatchSpanProcessor(self.exporter, max_queue_size=self.capacity, max_export_batch_size=batch)
+        # OTLP with the lean encoder (the default): spans are encoded as they are laid out and only bytes are
+        # queued (gateway/span_queue.py). Any other exporter (Zipkin, one handed in) gets the SDK's span
+        # objects through its BatchSpanProcessor, which reads OTEL_BSP_SCHEDULE_DELAY itself.
+        self.encoder: Encoder | None = None
+        self.queue: SpanQueue | None = None
+        self.processor: BatchSpanProcessor | None = None
+        if isinstance(inner, LeanOTLPSpanExporter) and inner.lean:
+            self.encoder = inner.encoder
+            delay_s = bsp_setting("OTEL_BSP_SCHEDULE_DELAY", DEFAULT_DELAY_MS) / 1000.0
+            self.queue = SpanQueue(self.exporter.send, count, capacity=self.capacity, batch=batch, delay_s=delay_s)
+        else:
+            self.processor = BatchSpanProcessor(
+                self.exporter, max_queue_size=self.capacity, max_export_batch_size=batch
+            )
         self.submitted = 0
         self.servers: dict[str, tuple[str, int] | None] = {}
 
@@ -191,8 +221,12 @@ class Tracing:
             return None
         trace_hex = traceparent[3:35].decode()
         layout = Layout(ex, outcome, int(traceparent[36:52], 16))
-        if self.submitted + layout.size - self.exporter.handed > self.capacity:
-            self.count("dropped", layout.size)  # the collector is not keeping up: lose this trace, not the loop
+        # The collector is not keeping up: lose this trace, not the loop.
+        if self.queue is not None:
+            if not self.queue.room(layout.size):
+                return None
+        elif self.submitted + layout.size - self.exporter.handed > self.capacity:
+            self.count("dropped", layout.size)
             return None
         found = incoming(ex.headers)
         remote = (
@@ -200,10 +234,19 @@ class Tracing:
             if found is not None
             else None
         )
-        spans = layout.spans(int(trace_hex, 16), remote, self, time.time_ns(), time.perf_counter())
-        for span in spans:
-            self.processor.on_end(span)
-        self.submitted += len(spans)
+        try:
+            made = layout.spans(int(trace_hex, 16), remote, self, time.time_ns(), time.perf_counter())
+        except (TypeError, ValueError, OverflowError):  # an attribute OTLP cannot carry: a bug, not the client's
+            log.exception("request %s: its trace could not be encoded", ex.request_id)
+            self.count("dropped", layout.size)
+            return None
+        if self.queue is not None:
+            self.queue.put(made.encoded)
+        else:
+            assert self.processor is not None
+            for span in made.spans:
+                self.processor.on_end(span)
+            self.submitted += len(made.spans)
         return trace_hex
 
     def server(self, target: Target) -> tuple[str, int] | None:
@@ -218,8 +261,22 @@ class Tracing:
             )
         return self.servers[target.backend]
 
+    def flush(self) -> None:
+        """Export everything queued now, in the calling thread."""
+        if self.queue is not None:
+            self.queue.flush()
+        elif self.processor is not None:
+            self.processor.force_flush()
+
     def shutdown(self) -> None:
         """Flush what is queued, waiting at most SHUTDOWN_WAIT_S: a collector that is down must not hold up exit."""
+        if self.queue is not None:
+            self.queue.close(SHUTDOWN_WAIT_S)
+            # Also aborts the exporter's retry back-off if the last batch is still trying; the daemon thread
+            # ends with the process.
+            self.exporter.shutdown()
+            return
+        assert self.processor is not None
         worker = threading.Thread(target=self.processor.shutdown, name="sluice-trace-shutdown", daemon=True)
         worker.start()
         worker.join(SHUTDOWN_WAIT_S)

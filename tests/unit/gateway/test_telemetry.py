@@ -14,9 +14,12 @@ from typing import Any, cast
 
 import pytest
 import yaml
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanMessage
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,12 +28,15 @@ from gateway import tracecontext
 from gateway.config import parse
 from gateway.context import Exchange
 from gateway.metrics import Metrics, TenantLabels
+from gateway.otlp import LeanOTLPSpanExporter
 from gateway.plugin import Outcome
 from gateway.runtime import Runtime
 from gateway.settings import Settings, TelemetrySettings
+from gateway.span_queue import SpanQueue
 from gateway.telemetry import server_timing
 from gateway.tracing import Tracing, traces_url
 from gateway.upstream import Upstreams
+from tests.support.gateway import free_port
 
 CONFIG = """
 listen: {host: 127.0.0.1, port: 8080}
@@ -246,7 +252,7 @@ def test_spans_of_a_streamed_upstream_answer(
     assert ex.traceparent is not None
     trace_id = tracing.record(ex, finished())
     assert trace_id == ex.traceparent[3:35].decode()
-    tracing.processor.force_flush()
+    tracing.flush()
     spans = by_name(memory.get_finished_spans())
     assert set(spans) == {
         "POST /v1/chat/completions",
@@ -342,7 +348,7 @@ def test_spans_of_a_fallback(traced: tuple[Tracing, InMemorySpanExporter, Fates]
     outcome = finished()
     outcome.ttft_ms, outcome.tpot_ms = 200.0, None
     tracing.record(ex, outcome)
-    tracing.processor.force_flush()
+    tracing.flush()
     spans = by_name(memory.get_finished_spans())
     assert "stream" not in spans  # a whole answer: the body came with the upstream wait
     failed, answered = spans["attempt chat-large"], spans["attempt chat-small"]
@@ -369,7 +375,7 @@ def test_spans_of_a_cache_hit(traced: tuple[Tracing, InMemorySpanExporter, Fates
     ex.labels["cache"] = "hit"
     outcome = Outcome(status=200, complete=True, total_ms=1.5, source="cache")
     tracing.record(ex, outcome)
-    tracing.processor.force_flush()
+    tracing.flush()
     spans = by_name(memory.get_finished_spans())
     assert set(spans) == {"POST /v1/chat/completions", "parse", "auth", "cache", "stream"}
     root = spans["POST /v1/chat/completions"]
@@ -390,7 +396,7 @@ def test_spans_of_an_upstream_failure(
     ex.attempts = [("chat-small", 5.0, 503)]
     outcome = Outcome(status=503, error="upstream unavailable", total_ms=6.0, source="error")
     tracing.record(ex, outcome)
-    tracing.processor.force_flush()
+    tracing.flush()
     spans = by_name(memory.get_finished_spans())
     assert set(spans) == {"POST /v1/chat/completions", "parse", "chat chat-small", "upstream"}
     root, client = spans["POST /v1/chat/completions"], spans["chat chat-small"]
@@ -415,7 +421,7 @@ def test_unsampled_requests_build_nothing(settings: Settings, upstreams: Upstrea
         assert ex.traceparent.endswith(b"-00")  # still propagated upstream
         served(ex, upstreams)
         assert tracing.record(ex, finished()) is None
-        tracing.processor.force_flush()
+        tracing.flush()
         assert memory.get_finished_spans() == ()
     finally:
         tracing.shutdown()
@@ -435,11 +441,102 @@ def test_a_full_queue_drops_whole_traces(
             served(ex, upstreams)
             tracing.record(ex, finished())
         assert fates.counts == {"dropped": 14}  # 7 fit, the next two traces of 7 do not
-        tracing.processor.force_flush()
+        tracing.flush()
         assert len(memory.get_finished_spans()) == 7
         assert fates.counts == {"dropped": 14, "exported": 7}
     finally:
         tracing.shutdown()
+
+
+def lean_tracing(settings: Settings, fates: Fates) -> Tracing:
+    """Tracing as `sluice serve` has it over OTLP: spans encoded as laid out, queued as bytes. Nothing listens
+    at the collector's address, and nothing is sent before the test ends (the queue's delay is a minute)."""
+    resource = Resource.create({"service.name": "sluice"})
+    scope = InstrumentationScope("sluice", "0")
+    exporter = LeanOTLPSpanExporter(resource, scope, f"http://127.0.0.1:{free_port()}/v1/traces")
+    tracing = Tracing(settings, fates, exporter=exporter)
+    assert tracing.queue is not None
+    return tracing
+
+
+def relative(encoded: list[bytes]) -> list[SpanMessage]:
+    """Span messages with their times made relative to the first span's start."""
+    spans = [SpanMessage.FromString(data) for data in encoded]
+    zero = spans[0].start_time_unix_nano
+    for span in spans:
+        span.start_time_unix_nano -= zero
+        span.end_time_unix_nano -= zero
+        for event in span.events:
+            event.time_unix_nano -= zero
+    return spans
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_spans_encoded_as_they_are_laid_out_are_the_sdk_spans_bytes(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings, upstreams: Upstreams, failed: bool
+) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    incoming = [(b"traceparent", f"00-{TRACE}-{PARENT}-01".encode()), (b"tracestate", b"vendor=1")]
+    ex = exchange(upstreams, json={"temperature": 0, "max_tokens": 64, "seed": 3}, headers=incoming)
+    memory, fates = InMemorySpanExporter(), Fates()
+    sdk = Tracing(settings, fates, exporter=memory)
+    lean = lean_tracing(settings, fates)
+    try:
+        sdk.begin(ex)
+        served(ex, upstreams)
+        if failed:
+            ex.attempts = [("chat-large", 20.0, 503), ("chat-small", 30.0, 0)]
+            outcome = Outcome(status=502, error="upstream broke off", total_ms=200.0)
+        else:
+            outcome = finished()
+        random.seed(11)
+        assert sdk.record(ex, outcome) == TRACE
+        sdk.flush()
+        random.seed(11)  # the same span ids
+        assert lean.record(ex, outcome) == TRACE
+        assert lean.queue is not None
+        assert lean.encoder is not None
+        made = memory.get_finished_spans()
+        assert len(made) >= 6
+        # The same messages but for the wall clock, read once per record: times are compared from the root's start.
+        assert relative(list(lean.queue.queue)) == relative([lean.encoder.span(span) for span in made])
+    finally:
+        sdk.shutdown()
+        lean.shutdown()
+
+
+def test_the_lean_queue_drops_whole_traces_too(
+    monkeypatch: pytest.MonkeyPatch, settings: Settings, upstreams: Upstreams
+) -> None:
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    fates = Fates()
+    tracing = lean_tracing(settings, fates)
+    try:
+        for _ in range(3):
+            ex = exchange(upstreams)
+            tracing.begin(ex)
+            served(ex, upstreams)
+            tracing.record(ex, finished())
+        assert fates.counts == {"dropped": 14}  # 7 fit, the next two traces of 7 do not
+        assert tracing.queue is not None
+        assert len(tracing.queue.queue) == 7
+    finally:
+        tracing.shutdown()
+
+
+def test_the_span_queue_sends_full_batches_at_once_and_the_rest_when_closed() -> None:
+    sent: list[list[bytes]] = []
+    queue = SpanQueue(lambda spans: sent.append(list(spans)), Fates(), capacity=100, batch=4, delay_s=60.0)
+    queue.put([b"a"] * 3)  # under a batch: waits for the delay (a minute) or for more
+    queue.put([b"b"] * 2)  # a whole batch is waiting: the thread is woken
+    deadline = time.monotonic() + 10.0
+    while not sent:
+        assert time.monotonic() < deadline, "a whole batch was not sent"
+        time.sleep(0.01)
+    assert sent == [[b"a", b"a", b"a", b"b"]]
+    assert queue.close(10.0)
+    assert sent == [[b"a", b"a", b"a", b"b"], [b"b"]]
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------
@@ -698,7 +795,7 @@ def test_a_routed_request_has_a_route_span_naming_the_endpoint(
     ex.timings.insert(3, ("route", 0.01))
     ex.routed = ("10.0.0.7:8000", "prefix", 0.75)
     tracing.record(ex, finished())
-    tracing.processor.force_flush()
+    tracing.flush()
     spans = by_name(memory.get_finished_spans())
     route = spans["route"]
     assert route.attributes is not None

@@ -190,8 +190,10 @@ class Connection(asyncio.Protocol):
 
     def flush(self) -> None:
         out = self.out
-        if out and self.transport is not None:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        transport = self.transport
+        # An aborted socket is closing until connection_lost runs, which fails the waiters of what is dropped.
+        if out and transport is not None and not transport.is_closing():
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
         out.clear()
 
     def sweep(self) -> None:

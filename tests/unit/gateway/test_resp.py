@@ -95,6 +95,9 @@ class Wire(asyncio.Transport):
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.writes.append(bytes(data))
 
+    def is_closing(self) -> bool:
+        return False
+
 
 async def test_the_commands_of_one_loop_iteration_go_out_in_one_write() -> None:
     loop = asyncio.get_running_loop()

@@ -151,8 +151,9 @@ class Batch:
 class Connection(asyncio.Protocol):
     """One socket: commands go out as they come, replies settle the FIFO of futures in order.
 
-    What the callers of one loop iteration send goes out in one write at the end of the iteration: a burst
-    of requests that each look something up costs the socket one write, not one each. Each waiter has a
+    A command on an idle connection is written at once. While replies are awaited, what the callers of one
+    loop iteration send goes out in one write at the end of the iteration: a burst of requests that each
+    look something up costs the socket one write, not one each. Each waiter has a
     deadline; one timer per connection, armed for the oldest, fails them in order (a deadline is a fixed
     time after sending, and the FIFO is in sending order), so a call arms no timer of its own.
     """
@@ -174,9 +175,14 @@ class Connection(asyncio.Protocol):
 
     def send(self, data: bytes, waiter: asyncio.Future[Any] | Batch) -> None:
         out = self.out
-        out.append(data)
-        if len(out) == 1:
-            asyncio.get_running_loop().call_soon(self.flush)
+        if not out and not self.pending and self.transport is not None:
+            # Nothing in flight: no reply to wait for with others, so no reason to wait for them (as Nagle's
+            # algorithm sends at once on an idle connection): at low rates a call costs no loop iteration.
+            self.transport.write(data)
+        else:
+            out.append(data)
+            if len(out) == 1:
+                asyncio.get_running_loop().call_soon(self.flush)
         self.expect(waiter)
 
     def expect(self, waiter: asyncio.Future[Any] | Batch) -> None:

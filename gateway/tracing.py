@@ -108,27 +108,25 @@ class CountingExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         self.handed += len(spans)
-        why = "the collector refused or did not answer"
-        try:
-            result = self.inner.export(spans)
-        except Exception as exc:
-            log.debug("span export failed", exc_info=True)
-            why = f"{type(exc).__name__}: {exc}"
-            result = SpanExportResult.FAILURE
-        self.settle(result is SpanExportResult.SUCCESS, why, len(spans))
-        return result
+        exported = self.attempt(lambda: self.inner.export(spans) is SpanExportResult.SUCCESS, len(spans))
+        return SpanExportResult.SUCCESS if exported else SpanExportResult.FAILURE
 
     def send(self, spans: Sequence[bytes]) -> None:
         """Encoded spans (the span queue's batch) through the lean exporter, counted and logged the same way."""
-        assert isinstance(self.inner, LeanOTLPSpanExporter)
+        inner = self.inner
+        assert isinstance(inner, LeanOTLPSpanExporter)
+        self.attempt(lambda: inner.send(spans), len(spans))
+
+    def attempt(self, export: Callable[[], bool], spans: int) -> bool:
         why = "the collector refused or did not answer"
         try:
-            ok = self.inner.send(spans)
+            ok = export()
         except Exception as exc:
             log.debug("span export failed", exc_info=True)
             why = f"{type(exc).__name__}: {exc}"
             ok = False
-        self.settle(ok, why, len(spans))
+        self.settle(ok, why, spans)
+        return ok
 
     def settle(self, ok: bool, why: str, spans: int) -> None:
         if ok == self.failing:

@@ -427,13 +427,14 @@ def test_unsampled_requests_build_nothing(settings: Settings, upstreams: Upstrea
         tracing.shutdown()
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["sdk-processor", "lean-queue"])
 def test_a_full_queue_drops_whole_traces(
-    monkeypatch: pytest.MonkeyPatch, settings: Settings, upstreams: Upstreams
+    monkeypatch: pytest.MonkeyPatch, settings: Settings, upstreams: Upstreams, lean: bool
 ) -> None:
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")  # nothing leaves the queue during the test
     memory, fates = InMemorySpanExporter(), Fates()
-    tracing = Tracing(settings, fates, exporter=memory)
+    tracing = lean_tracing(settings, fates) if lean else Tracing(settings, fates, exporter=memory)
     try:
         for _ in range(3):
             ex = exchange(upstreams)
@@ -441,6 +442,10 @@ def test_a_full_queue_drops_whole_traces(
             served(ex, upstreams)
             tracing.record(ex, finished())
         assert fates.counts == {"dropped": 14}  # 7 fit, the next two traces of 7 do not
+        if lean:
+            assert tracing.queue is not None
+            assert len(tracing.queue.queue) == 7
+            return
         tracing.flush()
         assert len(memory.get_finished_spans()) == 7
         assert fates.counts == {"dropped": 14, "exported": 7}
@@ -503,26 +508,6 @@ def test_spans_encoded_as_they_are_laid_out_are_the_sdk_spans_bytes(
     finally:
         sdk.shutdown()
         lean.shutdown()
-
-
-def test_the_lean_queue_drops_whole_traces_too(
-    monkeypatch: pytest.MonkeyPatch, settings: Settings, upstreams: Upstreams
-) -> None:
-    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
-    fates = Fates()
-    tracing = lean_tracing(settings, fates)
-    try:
-        for _ in range(3):
-            ex = exchange(upstreams)
-            tracing.begin(ex)
-            served(ex, upstreams)
-            tracing.record(ex, finished())
-        assert fates.counts == {"dropped": 14}  # 7 fit, the next two traces of 7 do not
-        assert tracing.queue is not None
-        assert len(tracing.queue.queue) == 7
-    finally:
-        tracing.shutdown()
 
 
 def test_the_span_queue_sends_full_batches_at_once_and_the_rest_when_closed() -> None:

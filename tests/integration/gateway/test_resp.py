@@ -146,6 +146,27 @@ async def test_killed_connections_are_replaced(redis_server: RedisServer) -> Non
         await store.aclose()
 
 
+async def test_calls_queued_on_a_connection_that_is_killed_fail_at_once(redis_server: RedisServer) -> None:
+    redis = client(redis_server.url, timeout_s=10.0, connections=1)
+    try:
+        assert await redis.call(("PING",)) == b"PONG"
+        # A blocking command holds the connection's replies, so the GETs behind it (written in one burst, while
+        # a reply is awaited) are still pending when the server drops the connection.
+        blocked = asyncio.ensure_future(redis.call(("BLPOP", "never", 8)))
+        gets = [asyncio.ensure_future(redis.call(("GET", f"k{i}"))) for i in range(50)]
+        await asyncio.sleep(0.1)
+        assert not any(g.done() for g in gets)
+        started = time.monotonic()
+        with redis_server.client() as r:
+            assert r.client_kill_filter(_type="normal") >= 1
+        results = await asyncio.gather(blocked, *gets, return_exceptions=True)
+        assert time.monotonic() - started < 2.0  # the connection's loss, not the 10 s deadline
+        assert all(isinstance(result, ConnectionError) for result in results)
+        await wait_for(lambda: redis.call(("PING",)))  # a new connection serves again
+    finally:
+        await redis.aclose()
+
+
 async def test_a_stopped_server_fails_calls_within_their_deadline_then_recovers(redis_server: RedisServer) -> None:
     store = Store(redis_server.url, timeout_s=0.1, cooldown_s=0.2)
     try:

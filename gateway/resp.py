@@ -175,10 +175,11 @@ class Connection(asyncio.Protocol):
 
     def send(self, data: bytes, waiter: asyncio.Future[Any] | Batch) -> None:
         out = self.out
-        if not out and not self.pending and self.transport is not None:
+        transport = self.transport
+        if not out and not self.pending and transport is not None and not transport.is_closing():
             # Nothing in flight: no reply to wait for with others, so no reason to wait for them (as Nagle's
             # algorithm sends at once on an idle connection): at low rates a call costs no loop iteration.
-            self.transport.write(data)
+            transport.write(data)
         else:
             out.append(data)
             if len(out) == 1:

@@ -91,12 +91,13 @@ class Wire(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
         self.writes: list[bytes] = []
+        self.closing = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.writes.append(bytes(data))
 
     def is_closing(self) -> bool:
-        return False
+        return self.closing
 
 
 async def test_the_commands_of_one_loop_iteration_go_out_in_one_write() -> None:
@@ -140,3 +141,20 @@ async def test_calls_fail_at_their_own_deadlines_in_order_and_later_replies_stil
     assert not connection.pending
     assert not connection.due
     assert connection.expired == 0
+
+
+async def test_nothing_is_written_to_a_connection_being_aborted_and_its_calls_fail_when_it_is_lost() -> None:
+    loop = asyncio.get_running_loop()
+    connection = Connection(lambda _: None, timeout_s=5.0)
+    wire = Wire()
+    connection.connection_made(wire)
+    wire.closing = True  # aborted: connection_lost comes on a later iteration
+    first, second = loop.create_future(), loop.create_future()
+    connection.send(encode(("GET", "a")), first)
+    connection.send(encode(("GET", "b")), second)
+    await asyncio.sleep(0)
+    assert wire.writes == []
+    connection.connection_lost(None)
+    for future in (first, second):
+        with pytest.raises(ConnectionError):
+            future.result()

@@ -227,9 +227,6 @@ class Spans:
         self.spans: list[ReadableSpan] = []
         self.encoded: list[bytes] = []
 
-    def __len__(self) -> int:
-        return len(self.encoded) + len(self.spans)
-
     def ns(self, ms: float) -> int:
         return self.anchor + int(ms * 1e6)
 

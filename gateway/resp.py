@@ -153,9 +153,9 @@ class Connection(asyncio.Protocol):
 
     A command on an idle connection is written at once. While replies are awaited, what the callers of one
     loop iteration send goes out in one write at the end of the iteration: a burst of requests that each
-    look something up costs the socket one write, not one each. Each waiter has a
-    deadline; one timer per connection, armed for the oldest, fails them in order (a deadline is a fixed
-    time after sending, and the FIFO is in sending order), so a call arms no timer of its own.
+    look something up costs the socket one write, not one each. Each waiter has a deadline; one timer per
+    connection, armed for the oldest, fails them in order (a deadline is a fixed time after sending, and the
+    FIFO is in sending order), so a call arms no timer of its own.
     """
 
     def __init__(self, on_lost: Callable[[Connection], None], timeout_s: float = 0.05) -> None:

@@ -46,6 +46,7 @@ PASSED = frozenset(
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05
+BODY_FOLLOWS = "sluice.body_follows"  # a start message whose body's first part is sent at once (protocol.py)
 
 
 class Pipeline:
@@ -312,7 +313,8 @@ class Pipeline:
                 outcome.usage = find_usage(answer.first[-2048:])
             return
         try:
-            await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
+            start = {"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True}
+            await send(start)
             assert ex.served is not None
             mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
             rules = stream_rules(ex.endpoint)
@@ -345,7 +347,7 @@ class Pipeline:
         self, send: Send, head: ResponseHead, body: bytes, outcome: Outcome, taps: tuple[Tap, ...]
     ) -> None:
         head.headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
+        await send({"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True})
         for tap in taps:
             tap(body)
             tap(b"")
@@ -395,5 +397,5 @@ def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:
 async def send_error(send: Send, exc: errors.GatewayError, rid: str) -> None:
     body = exc.body()
     headers = [JSON, (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode()), *exc.headers]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers, BODY_FOLLOWS: True})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -20,7 +20,11 @@ from typing import Any
 
 import httptools
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 from gateway import errors
@@ -29,6 +33,111 @@ from gateway.settings import LimitSettings
 log = logging.getLogger("sluice.http")
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+# In an `http.response.start` message: the body's first part follows at once, so the head may wait for it and
+# both go out in one write. Servers ignore keys they do not know (ASGI), so the message stays portable.
+BODY_FOLLOWS = "sluice.body_follows"
+
+
+# What uvicorn's HEADER_RE and HEADER_VALUE_RE refuse, as bytes to delete: a C pass over the bytes.
+BAD_NAME = bytes([*range(0x20), 0x7F]) + b'()<>@,;:[]={} \t\\"'
+BAD_VALUE = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
+# Header names sent before that are lower-case and valid, and none that uvicorn must act on: each checked once.
+NAMES: set[bytes] = set()
+MAX_NAMES = 256  # the gateway's own are a few dozen; past this a new name is checked every time
+
+
+def plain(name: bytes) -> bool:
+    """A lower-case, valid header name that needs no handling (remembered in NAMES)."""
+    if name in (b"connection", b"transfer-encoding") or not name.islower():
+        return False
+    if len(name.translate(None, BAD_NAME)) != len(name):
+        return False
+    if len(NAMES) < MAX_NAMES:
+        NAMES.add(name)
+    return True
+
+
+class Cycle(RequestResponseCycle):
+    """uvicorn's request cycle, writing a response head marked BODY_FOLLOWS together with the body's first part.
+
+    A whole answer goes out in one write instead of two, and a stream's head with its first chunk. Each header
+    name is checked once per process and the values in one C pass, where uvicorn runs two regex searches per
+    header (about 0.2 µs each here). Anything else (an unmarked head, HEAD, a name not lower-case, or
+    `connection` or `transfer-encoding` set by the app) is uvicorn's own path.
+    """
+
+    head: bytes | None = None  # the head held for the first body part
+
+    async def send(self, message: Any) -> None:
+        kind = message["type"]
+        if self.head is not None and kind == "http.response.body":
+            await self._send_first(message)
+            return
+        if kind == "http.response.start" and message.get(BODY_FOLLOWS) and not self.response_started:
+            self.response_started = True  # as uvicorn does before it checks the headers: a bad one ends the connection
+            head = self._head(message)
+            if head is not None:
+                self.head = head
+                self.waiting_for_100_continue = False
+                return
+            self.response_started = False
+        await super().send(message)
+
+    def _head(self, message: Any) -> bytes | None:
+        if self.access_log or self.disconnected or self.scope["method"] == "HEAD":
+            return None
+        pairs = [*self.default_headers, *message.get("headers", ())]
+        length = None
+        for name, value in pairs:
+            if name in NAMES:
+                continue
+            if name == b"content-length":
+                length = int(value.decode())
+            elif not plain(name):
+                return None  # uvicorn's path: it lower-cases, refuses a bad name, or honours the header
+        lines = b"\r\n".join([b": ".join(pair) for pair in pairs])
+        # A value may hold no control character but tab: what the translation deletes beyond the CR LF
+        # between the lines is one (uvicorn's regex, a C pass instead of two searches per header).
+        if len(lines) - len(lines.translate(None, BAD_VALUE)) != 2 * max(len(pairs) - 1, 0):
+            raise RuntimeError("Invalid HTTP header value.")
+        ending = b"\r\n" if pairs else b""
+        if length is not None:
+            self.expected_content_length = length
+            self.chunked_encoding = False
+        if not self.keep_alive:
+            ending += b"connection: close\r\n"
+        if self.chunked_encoding is None and message["status"] not in (204, 304):
+            self.chunked_encoding = True
+            ending += b"transfer-encoding: chunked\r\n"
+        return STATUS_LINE[message["status"]] + lines + ending + b"\r\n"
+
+    async def _send_first(self, message: Any) -> None:
+        head, self.head = self.head, None
+        assert head is not None
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if self.chunked_encoding:
+            out = head + (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + (b"" if more else b"0\r\n\r\n")
+        else:
+            if len(body) > self.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length -= len(body)
+            out = head + body
+        self.transport.write(out)
+        if not more:
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
 
 
 class HeadTooLarge(Exception):
@@ -109,6 +218,10 @@ class GatewayProtocol(HttpToolsProtocol):
         self.in_body = False
         self._disarm()
         super().on_message_complete()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        cycle.__class__ = Cycle  # made by uvicorn's on_headers_complete; it has not run yet
+        super()._start_asgi_task(cycle, app)
 
     def send_400_response(self, msg: str) -> None:
         self._reject(400, msg, "invalid_http_request")

@@ -174,6 +174,7 @@ async def relay_stream(
             if out:
                 for tap in taps:
                     tap(out)
+            if out or chunks == 1:  # the first send carries the response head too (protocol.py's BODY_FOLLOWS)
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             prev2, prev = prev, chunk
             chunk = await response.next_chunk()

@@ -147,3 +147,35 @@ def test_keep_alive_between_requests_is_not_a_stalled_head(gateway: RunningGatew
         sock.sendall(request())
         status, _, _ = answer(sock)
     assert status == 200
+
+
+def test_pipelined_requests_are_answered_whole_and_in_order(gateway: RunningGateway) -> None:
+    """Three requests in one write, a stream in the middle: three complete responses, in the order asked."""
+    keep = request().replace(b"connection: close\r\n", b"")
+    streamed = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    middle = request(body=streamed).replace(b"connection: close\r\n", b"")
+    bad = b'{"model":"nope","messages":[{"role":"user","content":"hi"}]}'
+    with connect(gateway) as sock:
+        sock.sendall(keep + middle + request(body=bad))
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    first, _, rest = data.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200")
+    length = int(next(v for k, v in (h.split(b": ", 1) for h in first.split(b"\r\n")[1:]) if k == b"content-length"))
+    assert json.loads(rest[:length])["choices"]
+    second, _, rest = rest[length:].partition(b"\r\n\r\n")
+    assert second.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding: chunked" in second
+    events, _, rest = rest.partition(b"0\r\n\r\n")  # the chunked body's end
+    decoded = b""
+    while events:
+        size, _, events = events.partition(b"\r\n")
+        decoded += events[: int(size, 16)]
+        events = events[int(size, 16) + 2 :]
+    assert decoded.startswith(b"data: {")
+    assert decoded.endswith(b"data: [DONE]\n\n")
+    third, _, body = rest.partition(b"\r\n\r\n")
+    assert third.startswith(b"HTTP/1.1 404")
+    assert b"connection: close" in third
+    assert json.loads(body)["error"]["code"] == "model_not_found"

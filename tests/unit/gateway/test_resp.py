@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import hiredis
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.cluster import key_of, slot
 from gateway.resp import Batch, Connection, ReplyError, encode, node_urls, parse_url
@@ -12,6 +15,23 @@ from gateway.resp import Batch, Connection, ReplyError, encode, node_urls, parse
 
 def test_commands_are_encoded_as_arrays_of_bulk_strings() -> None:
     assert encode(("SET", b"k\r\n", 5, 0.5)) == b"*4\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$1\r\n5\r\n$3\r\n0.5\r\n"
+
+
+ARGS = st.one_of(
+    st.sampled_from(["GET", "SET", "PX", "EVALSHA"]),
+    st.text(max_size=40),
+    st.binary(max_size=3000),  # across the inline size of a bulk string's header (1024)
+    st.integers(min_value=-(2**63), max_value=2**63),
+)
+
+
+@given(st.lists(ARGS, min_size=1, max_size=20))
+def test_any_command_is_read_back_as_its_arguments(command: list[str | bytes | int]) -> None:
+    reader = hiredis.Reader()
+    reader.feed(encode(command))
+    as_bytes = [a if isinstance(a, bytes) else a.encode() if isinstance(a, str) else b"%d" % a for a in command]
+    assert reader.gets() == as_bytes
+    assert reader.gets() is False  # nothing left over
 
 
 def test_urls_give_addresses_credentials_database_and_tls() -> None:

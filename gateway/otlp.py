@@ -33,7 +33,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 log = logging.getLogger("sluice.tracing")
 
@@ -48,6 +48,18 @@ START, END, ATTRIBUTE, EVENT, STATUS, FLAGS = b"\x39", b"\x41", b"\x4a", b"\x5a"
 
 
 SMALL = [bytes((i,)) for i in range(0x80)]  # one-byte varints: most lengths and values
+TIMES = struct.Struct("<cQcQ")  # start_time_unix_nano and end_time_unix_nano, tags included
+# Span.kind by SpanKind's value (the proto's enum has UNSPECIFIED at 0), and Span.flags by the parent's remoteness.
+KINDS = [KIND + bytes((value + 1,)) for value in range(len(SpanKind))]
+LOCAL_FLAGS = FLAGS + HAS_IS_REMOTE.to_bytes(4, "little")
+REMOTE_FLAGS = FLAGS + (HAS_IS_REMOTE | IS_REMOTE).to_bytes(4, "little")
+# Encoded attributes and names kept for reuse: most repeat from request to request (the method, route, model,
+# tenant, status, backend), so they are encoded once. Values seen once (ids, timings) stop being kept at this
+# many; what was kept by then stays.
+MEMO_SIZE = 4096
+UNSET = Status(StatusCode.UNSET)  # the status of most spans: encoded without reading it
+# Span.status without a message, by StatusCode's value.
+STATUSES = [STATUS + (bytes((2, 0x18, code)) if code else b"\x00") for code in range(3)]
 
 
 def varint(value: int) -> bytes:
@@ -93,6 +105,9 @@ class Encoder:
 
     def __init__(self, resource: Resource, scope: InstrumentationScope) -> None:
         self.keys: dict[str, bytes] = {}
+        self.memo: dict[tuple[bytes, str, type, Any] | None, bytes] = {}
+        self.names: dict[str, bytes] = {}
+        self.trace: tuple[int, bytes] = (0, b"")  # the last trace id, as the field that starts its spans
         self.resource = field(b"\x0a", self.attributes(b"\x0a", resource.attributes))
         scope_fields = field(b"\x0a", scope.name.encode())
         if scope.version:
@@ -104,22 +119,34 @@ class Encoder:
     def attributes(self, tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
         if not attributes:
             return b""
-        keys = self.keys
+        memo = self.memo
         parts = []
         for key, value in attributes.items():
-            encoded = keys.get(key)
+            # The type is part of the key: True == 1 == 1.0, but each is encoded as its own type.
+            seen: tuple[bytes, str, type, Any] | None = (tag, key, value.__class__, value)
+            try:
+                encoded = memo.get(seen)
+            except TypeError:  # an unhashable value (a list): encoded every time
+                encoded, seen = None, None
             if encoded is None:
-                encoded = keys[key] = field(b"\x0a", key.encode())
-            parts.append(field(tag, encoded + field(b"\x12", any_value(value))))
+                name = self.keys.get(key)
+                if name is None:
+                    name = self.keys[key] = field(b"\x0a", key.encode())
+                encoded = field(tag, name + field(b"\x12", any_value(value)))
+                if seen is not None and len(memo) < MEMO_SIZE:
+                    memo[seen] = encoded
+            parts.append(encoded)
         return b"".join(parts)
 
     def span(self, span: ReadableSpan) -> bytes:
         """One Span message's fields (without its own tag and length)."""
         context = span.context
         assert context is not None  # a finished span always has one
+        parent = span.parent
         return self.encode(
-            context,
-            span.parent,
+            context.trace_id,
+            context.span_id,
+            (parent.span_id, parent.is_remote) if parent is not None else None,
             span.name,
             span.kind,
             span.start_time or 0,
@@ -127,12 +154,14 @@ class Encoder:
             span.attributes,
             span.events,
             span.status,
+            context.trace_state.to_header() if context.trace_state else "",
         )
 
     def encode(
         self,
-        context: SpanContext,
-        parent: SpanContext | None,
+        trace_id: int,
+        span_id: int,
+        parent: tuple[int, bool] | None,
         name: str,
         kind: SpanKind,
         start_ns: int,
@@ -140,31 +169,39 @@ class Encoder:
         attributes: Mapping[str, Any] | None,
         events: Sequence[Event],
         status: Status,
+        trace_state: str = "",
     ) -> bytes:
-        """A Span message's fields from what a finished span holds, with no span object made for it."""
-        parts = [
-            TRACE_ID + b"\x10" + context.trace_id.to_bytes(16, "big"),
-            SPAN_ID + b"\x08" + context.span_id.to_bytes(8, "big"),
-        ]
-        state = context.trace_state
-        if state:
-            parts.append(field(TRACE_STATE, state.to_header().encode()))
+        """A Span message's fields from what a finished span holds, with no span object made for it.
+
+        `parent` is the parent's (span id, whether it is remote)."""
+        if self.trace[0] != trace_id:  # the spans of one trace come together
+            self.trace = (trace_id, TRACE_ID + b"\x10" + trace_id.to_bytes(16, "big"))
+        parts = [self.trace[1], SPAN_ID + b"\x08" + span_id.to_bytes(8, "big")]
+        if trace_state:
+            parts.append(field(TRACE_STATE, trace_state.encode()))
         if parent is not None:
-            parts.append(PARENT_ID + b"\x08" + parent.span_id.to_bytes(8, "big"))
-        parts.append(field(NAME, name.encode()))
-        parts.append(KIND + varint(kind.value + 1))  # the proto's enum has UNSPECIFIED at 0
-        parts.append(START + FIXED64.pack(start_ns))
-        parts.append(END + FIXED64.pack(end_ns))
-        parts.append(self.attributes(ATTRIBUTE, attributes))
+            parts.append(PARENT_ID + b"\x08" + parent[0].to_bytes(8, "big"))
+        named = self.names.get(name)
+        if named is None:
+            named = field(NAME, name.encode())
+            if len(self.names) < MEMO_SIZE:
+                self.names[name] = named
+        parts += (named, KINDS[kind._value_], TIMES.pack(START, start_ns, END, end_ns))
+        if attributes:
+            parts.append(self.attributes(ATTRIBUTE, attributes))
         for event in events:
             body = b"\x09" + FIXED64.pack(event.timestamp) + field(b"\x12", event.name.encode())
             parts.append(field(EVENT, body + self.attributes(b"\x1a", event.attributes)))
-        body = field(b"\x12", status.description.encode()) if status.description else b""
-        if status.status_code.value:
-            body += b"\x18" + varint(status.status_code.value)
-        parts.append(field(STATUS, body))
-        flags = HAS_IS_REMOTE | (IS_REMOTE if parent is not None and parent.is_remote else 0)
-        parts.append(FLAGS + flags.to_bytes(4, "little"))
+        if status is UNSET:
+            parts.append(STATUSES[0])
+        else:
+            code = status.status_code._value_
+            if status.description:
+                body = field(b"\x12", status.description.encode()) + (b"\x18" + varint(code) if code else b"")
+                parts.append(field(STATUS, body))
+            else:
+                parts.append(STATUSES[code])
+        parts.append(REMOTE_FLAGS if parent is not None and parent[1] else LOCAL_FLAGS)
         return b"".join(parts)
 
     def request(self, spans: Sequence[bytes]) -> bytes:

@@ -15,13 +15,16 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from gateway.otlp import UNSET
+
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Outcome
     from gateway.tracing import Tracing
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-UNSET = Status(StatusCode.UNSET)
+# A span's parent as the spans under it need it: (span id, whether it is remote).
+Parent = tuple[int, bool]
 OPERATIONS = {
     "chat/completions": "chat",
     "completions": "text_completion",
@@ -73,7 +76,7 @@ class Layout:
             size += 1
         self.size = size
 
-    def spans(self, trace_id: int, remote: SpanContext | None, tracing: Tracing, wall_ns: int, perf: float) -> Spans:
+    def spans(self, trace_id: int, remote: Parent | None, tracing: Tracing, wall_ns: int, perf: float) -> Spans:
         ex, outcome = self.ex, self.outcome
         if outcome.total_ms <= 0:  # the client left mid-way: the request ended when the task did
             self.end = max(self.end, (perf - ex.started) * 1000.0)
@@ -233,7 +236,7 @@ class Spans:
     def add(
         self,
         name: str,
-        parent: SpanContext | None,
+        parent: Parent | None,
         start: float,
         end: float,
         attributes: dict[str, Any] | None = None,
@@ -241,20 +244,22 @@ class Spans:
         status: Status = UNSET,
         events: Sequence[Event] = (),
         span_id: int = 0,
-    ) -> SpanContext:
-        """Add a finished span; return its context, the parent of the spans under it."""
-        context = SpanContext(self.trace_id, span_id or random.getrandbits(64) or 1, False, SAMPLED)
+    ) -> Parent:
+        """Add a finished span; return what the spans under it need of it."""
+        span_id = span_id or random.getrandbits(64) or 1
         if self.encoder is not None:
-            encoded = self.encoder.encode(
-                context, parent, name, kind, self.ns(start), self.ns(end), attributes, events, status
+            self.encoded.append(
+                self.encoder.encode(
+                    self.trace_id, span_id, parent, name, kind, self.ns(start), self.ns(end), attributes, events, status
+                )
             )
-            self.encoded.append(encoded)
-            return context
+            return span_id, False
+        trace_id = self.trace_id
         self.spans.append(
             ReadableSpan(
                 name,
-                context,
-                parent,
+                SpanContext(trace_id, span_id, False, SAMPLED),
+                SpanContext(trace_id, parent[0], parent[1], SAMPLED) if parent is not None else None,
                 self.resource,
                 attributes or {},
                 events,
@@ -267,7 +272,7 @@ class Spans:
                 self.scope,
             )
         )
-        return context
+        return span_id, False
 
 
 def error_type(outcome: Outcome) -> str | None:

@@ -43,11 +43,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext
 
 from gateway.otlp import Encoder, LeanOTLPSpanExporter
 from gateway.span_queue import SpanQueue
-from gateway.spans import SAMPLED, Layout
+from gateway.spans import Layout
 from gateway.tracecontext import incoming
 
 if TYPE_CHECKING:
@@ -227,11 +226,7 @@ class Tracing:
             self.count("dropped", layout.size)
             return None
         found = incoming(ex.headers)
-        remote = (
-            SpanContext(int(found[2], 16), int(found[3], 16), is_remote=True, trace_flags=SAMPLED)
-            if found is not None
-            else None
-        )
+        remote = (int(found[3], 16), True) if found is not None else None
         try:
             made = layout.spans(int(trace_hex, 16), remote, self, time.time_ns(), time.perf_counter())
         except (TypeError, ValueError, OverflowError):  # an attribute OTLP cannot carry: a bug, not the client's

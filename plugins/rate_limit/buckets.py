@@ -18,10 +18,16 @@ PERIOD_MS = 60_000  # the limits are per minute
 REQUESTS = "requests"
 TOKENS = "tokens"
 ABBREVIATION = {REQUESTS: "RPM", TOKENS: "TPM"}
-HEADERS = {
-    kind: tuple(f"x-ratelimit-{part}-{kind}".encode() for part in ("limit", "remaining", "reset"))
+HEADERS: dict[str, tuple[bytes, bytes, bytes]] = {
+    kind: (
+        b"x-ratelimit-limit-" + kind.encode(),
+        b"x-ratelimit-remaining-" + kind.encode(),
+        b"x-ratelimit-reset-" + kind.encode(),
+    )
     for kind in (REQUESTS, TOKENS)
 }
+RESETS: dict[int, bytes] = {}  # reset_value's, by ms
+MAX_RESETS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +52,24 @@ class Plan:
     tokens: tuple[int, ...] = ()  # indices of the tokens buckets
     token_keys: tuple[str, ...] = ()
     template: tuple[int, ...] = ()  # the in-process check's arguments, token costs left at 0
+    # Per kind that has buckets: its three header names and the indices of its buckets.
+    headers: tuple[tuple[tuple[bytes, bytes, bytes], tuple[int, ...]], ...] = ()
 
     @classmethod
     def of(cls, buckets: tuple[Bucket, ...]) -> Plan:
         template = [0]
         for bucket in buckets:
             template += (bucket.limit, PERIOD_MS, 1 if bucket.kind == REQUESTS else 0)
+        requests = tuple(i for i, b in enumerate(buckets) if b.kind == REQUESTS)
         tokens = tuple(i for i, b in enumerate(buckets) if b.kind == TOKENS)
         return cls(
             buckets,
             keys=tuple(b.key for b in buckets),
-            requests=tuple(i for i, b in enumerate(buckets) if b.kind == REQUESTS),
+            requests=requests,
             tokens=tokens,
             token_keys=tuple(buckets[i].key for i in tokens),
             template=tuple(template),
+            headers=tuple((HEADERS[kind], found) for kind, found in ((REQUESTS, requests), (TOKENS, tokens)) if found),
         )
 
     def costs(self, reserved: int) -> list[int]:
@@ -150,21 +160,29 @@ def go_duration(ms: int) -> str:
     return f"{text}s"
 
 
+def reset_value(ms: int) -> bytes:
+    """An x-ratelimit-reset-* value, made once per duration: the same few thousand recur at any steady rate."""
+    value = RESETS.get(ms)
+    if value is None:
+        value = go_duration(ms).encode()
+        if len(RESETS) < MAX_RESETS:
+            RESETS[ms] = value
+    return value
+
+
 def ratelimit_headers(plan: Plan, verdict: list[int]) -> list[tuple[bytes, bytes]]:
     """OpenAI's x-ratelimit-* headers; with a tenant and a model bucket of a kind, the one with less left."""
     headers: list[tuple[bytes, bytes]] = []
-    for kind, indices in ((REQUESTS, plan.requests), (TOKENS, plan.tokens)):
-        if not indices:
-            continue
+    for (limit, remaining, reset), indices in plan.headers:
         i = indices[0]
         for j in indices[1:]:
             if verdict[3 * j + 1] < verdict[3 * i + 1]:
                 i = j
-        limit, remaining, reset = HEADERS[kind]
+        left = verdict[3 * i + 1]
         headers += (
             (limit, plan.buckets[i].limit_header),
-            (remaining, str(max(0, verdict[3 * i + 1])).encode()),
-            (reset, go_duration(verdict[3 * i + 2]).encode()),
+            (remaining, str(left).encode() if left > 0 else b"0"),
+            (reset, reset_value(verdict[3 * i + 2])),
         )
     return headers
 

@@ -196,8 +196,7 @@ class Leases:
     def _admitted(self, leases: Sequence[Lease], now: float) -> list[int]:
         verdict = [1]
         for lease in leases:
-            remaining = lease.remaining(now)
-            verdict += (remaining, lease.full_in(remaining), 0)
+            verdict += lease.report(now)
         return verdict
 
     def _refused(self, leases: Sequence[Lease], costs: Sequence[int], now: float) -> list[int]:

@@ -9,6 +9,8 @@ from typing import Any, cast
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.config import parse
 from gateway.context import Exchange
@@ -405,6 +407,7 @@ def test_what_a_lease_knows_of_the_shared_bucket() -> None:
     assert lease.known(500.0) == pytest.approx(9)  # plus what came back since
     lease.settle = 5  # owed: corrections charge later
     assert lease.remaining(500.0) == 4
+    assert lease.report(500.0) == (4, lease.full_in(4), 0)
     assert lease.wait(500.0, 10) == 600  # 6 missing, 10 a second
     assert lease.fresh(999.0)
     assert not lease.fresh(1000.0)
@@ -477,3 +480,20 @@ def test_the_over_admission_bound_holds_for_four_processes() -> None:
 def test_go_duration(ms: int, text: str) -> None:
     assert go_duration(ms) == text
     assert re.fullmatch(r"(\d+h)?(\d+m)?(\d+(\.\d+)?s|\d+ms)", text)
+
+
+@given(
+    st.integers(1, 10**9),
+    st.floats(0, 120_000),
+    st.floats(0, 120_000),
+    st.integers(0, 10**6),
+    st.integers(-(10**6), 10**6),
+)
+def test_a_leases_report_is_its_remaining_and_full_in(
+    limit: int, full_ms: float, later: float, free: int, owed: int
+) -> None:
+    lease = Lease(limit=limit, cap=limit, ttl_ms=1000)
+    lease.granted(0.0, 0, round(full_ms))
+    lease.free, lease.settle = free, owed
+    remaining = lease.remaining(later)
+    assert lease.report(later) == (remaining, lease.full_in(remaining), 0)

@@ -14,6 +14,8 @@ from typing import Any, cast
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanMessage
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -792,3 +794,13 @@ def test_a_routed_request_has_a_route_span_naming_the_endpoint(
     client = spans["chat chat-large"].attributes
     assert client is not None
     assert (client["server.address"], client["server.port"]) == ("10.0.0.7", 8000)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["parse", "cache", "upstream"]), st.floats(-1.0, 5000.0)), max_size=8))
+def test_server_timing_gives_each_stage_to_the_microsecond(timings: list[tuple[str, float]]) -> None:
+    header = server_timing(timings, 0.3105).decode()
+    entries = [entry.split(";dur=") for entry in header.split(", ")]
+    assert [name for name, _ in entries] == [name for name, _ in timings] + ["overhead"]
+    for (_, text), ms in zip(entries, [ms for _, ms in timings] + [0.3105], strict=True):
+        assert len(text.partition(".")[2]) == 3
+        assert abs(float(text) - ms) <= 0.0005 + 1e-9

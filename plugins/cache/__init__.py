@@ -309,7 +309,8 @@ class Cache:
 
     def key(self, ex: Exchange, policy: Policy) -> str:
         skip = RESPONSES_TRANSPORT_ONLY if ex.endpoint == "responses" else TRANSPORT_ONLY
-        fields = {k: v for k, v in ex.json.items() if k not in skip}
+        body = ex.json
+        fields = body if skip.isdisjoint(body) else {k: v for k, v in body.items() if k not in skip}
         scope = layout.SHARED if policy.shared else ex.tenant
         material = orjson.dumps([scope, ex.model, ex.endpoint, fields], option=orjson.OPT_SORT_KEYS)
         prefix = self.prefixes.get((scope, ex.model))

@@ -27,8 +27,9 @@ import gc
 import math
 import os
 import resource
+import shutil
 import subprocess
-import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,10 +182,13 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
             await pool.aclose()
         idle = status_rss_mb(gateway.popen.pid, "VmRSS:")
         idle_fds = len(os.listdir(f"/proc/{gateway.popen.pid}/fd"))
+        # The figures come back in a file: over the stdout pipe they were once cut at 256 KiB.
+        report = Path(tempfile.mkdtemp(prefix="sluice-bench-streams-")) / "report.json"
         load = python_module(
             "gateway.tools.bench_streams",
             *("--port", str(gateway_port), "--reference-port", str(port), "--streams", str(shape.streams)),
             *("--open-seconds", f"{shape.open_seconds:g}", "--ttft-ms", f"{shape.ttft_ms:g}"),
+            *("--report", str(report)),
         )
         cpu = gateway.cpu_seconds()
         budget = shape.open_seconds + shape.stream_seconds + 60.0
@@ -208,7 +212,12 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
     finally:
         for child in reversed(children):
             child.stop()
-    found = orjson.loads(done.stdout)
+    try:
+        found = orjson.loads(report.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise BenchError(f"streams: the load generator's report is unreadable: {exc}") from None
+    finally:
+        shutil.rmtree(report.parent, ignore_errors=True)
     return Streams(
         shape=shape,
         completed=found["completed"],
@@ -464,17 +473,18 @@ async def load(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main() -> None:
-    cli = argparse.ArgumentParser(prog="bench_streams", description="Open many streams at once; JSON on stdout.")
+    cli = argparse.ArgumentParser(prog="bench_streams", description="Open many streams at once; JSON in a file.")
     cli.add_argument("--port", type=int, required=True)
     cli.add_argument("--reference-port", type=int, required=True)
     cli.add_argument("--streams", type=int, required=True)
     cli.add_argument("--open-seconds", type=float, required=True)
     cli.add_argument("--ttft-ms", type=float, required=True)
+    cli.add_argument("--report", type=Path, required=True, help="where to write the figures (JSON)")
     args = cli.parse_args()
     raise_fd_limit(2 * args.streams + 1024)
     import uvloop
 
-    sys.stdout.buffer.write(orjson.dumps(uvloop.run(load(args))))
+    args.report.write_bytes(orjson.dumps(uvloop.run(load(args))))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ PASSED = frozenset(
 JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05
-BODY_FOLLOWS = "sluice.body_follows"  # a start message whose body's first part is sent at once (protocol.py)
+# In an `http.response.start` message: the body's first part follows at once, so the server may hold the head
+# and write both together (gateway/protocol.py does). Servers ignore keys they do not know (ASGI).
+BODY_FOLLOWS = "sluice.body_follows"
 
 
 class Pipeline:

@@ -28,16 +28,12 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.server import ServerState
 
 from gateway import errors
+from gateway.pipeline import BODY_FOLLOWS
 from gateway.settings import LimitSettings
 
 log = logging.getLogger("sluice.http")
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
-
-
-# In an `http.response.start` message: the body's first part follows at once, so the head may wait for it and
-# both go out in one write. Servers ignore keys they do not know (ASGI), so the message stays portable.
-BODY_FOLLOWS = "sluice.body_follows"
 
 
 # What uvicorn's HEADER_RE and HEADER_VALUE_RE refuse, as bytes to delete: a C pass over the bytes.

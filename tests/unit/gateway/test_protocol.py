@@ -14,8 +14,8 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from gateway.pipeline import BODY_FOLLOWS as PIPELINE_MARK
-from gateway.protocol import BODY_FOLLOWS, Cycle
+from gateway.pipeline import BODY_FOLLOWS
+from gateway.protocol import Cycle
 
 DEFAULT_HEADERS = [(b"date", b"Tue, 01 Dec 2026 12:00:00 GMT")]
 JSON = (b"content-type", b"application/json")
@@ -161,10 +161,6 @@ async def test_a_body_longer_than_its_content_length_is_refused() -> None:
     await made.send(start(200, [(b"content-length", b"2")]))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="longer than Content-Length"):
         await made.send(body(b"{}{}"))  # type: ignore[arg-type]
-
-
-def test_the_pipeline_marks_with_the_key_the_protocol_reads() -> None:
-    assert PIPELINE_MARK == BODY_FOLLOWS
 
 
 def test_uvicorn_still_starts_each_cycle_where_the_protocol_swaps_its_class() -> None:

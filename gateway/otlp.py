@@ -105,7 +105,7 @@ class Encoder:
 
     def __init__(self, resource: Resource, scope: InstrumentationScope) -> None:
         self.keys: dict[str, bytes] = {}
-        self.memo: dict[tuple[bytes, str, type, Any] | None, bytes] = {}
+        self.memo: dict[tuple[bytes, str, type, Any], bytes] = {}
         self.names: dict[str, bytes] = {}
         self.trace: tuple[int, bytes] = (0, b"")  # the last trace id, as the field that starts its spans
         self.resource = field(b"\x0a", self.attributes(b"\x0a", resource.attributes))
@@ -123,17 +123,18 @@ class Encoder:
         parts = []
         for key, value in attributes.items():
             # The type is part of the key: True == 1 == 1.0, but each is encoded as its own type.
-            seen: tuple[bytes, str, type, Any] | None = (tag, key, value.__class__, value)
+            seen = (tag, key, value.__class__, value)
             try:
                 encoded = memo.get(seen)
+                keep = True
             except TypeError:  # an unhashable value (a list): encoded every time
-                encoded, seen = None, None
+                encoded, keep = None, False
             if encoded is None:
                 name = self.keys.get(key)
                 if name is None:
                     name = self.keys[key] = field(b"\x0a", key.encode())
                 encoded = field(tag, name + field(b"\x12", any_value(value)))
-                if seen is not None and len(memo) < MEMO_SIZE:
+                if keep and len(memo) < MEMO_SIZE:
                     memo[seen] = encoded
             parts.append(encoded)
         return b"".join(parts)

@@ -202,8 +202,8 @@ class Leases:
     def _refused(self, leases: Sequence[Lease], costs: Sequence[int], now: float) -> list[int]:
         verdict = [0]
         for lease, cost in zip(leases, costs, strict=True):
-            remaining = lease.remaining(now)
-            verdict += (remaining, lease.full_in(remaining), 0 if lease.free >= cost else lease.wait(now, cost))
+            remaining, full, _ = lease.report(now)
+            verdict += (remaining, full, 0 if lease.free >= cost else lease.wait(now, cost))
         return verdict
 
     def _on_credit(self, route: Route, costs: Sequence[int], now: float) -> list[int]:

@@ -16,6 +16,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY plugins ./plugins
+COPY tools ./tools
 RUN pip install . && rm -rf /src
 
 COPY config/gateway.yaml /etc/sluice/gateway.yaml

@@ -1,4 +1,4 @@
-"""CPU per span: the OpenTelemetry SDK's OTLP encoder against the gateway's lean one (gateway/otlp.py).
+"""CPU per span: the OpenTelemetry SDK's OTLP encoder against the gateway's lean one (gateway/telemetry/otlp.py).
 
     python3 -m bench.otlp_encoder                  # 64 traces shaped like the gateway's, 20 rounds each
     python3 -m bench.otlp_encoder --traces 256 --rounds 50
@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from gateway.otlp import Encoder
-from gateway.tracing import HashedResource
+from gateway.telemetry.otlp import Encoder
+from gateway.telemetry.tracing import HashedResource
 
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 UNSET = Status(StatusCode.UNSET)

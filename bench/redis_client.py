@@ -30,8 +30,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.resp import node_urls
-from gateway.store import Store
+from gateway.state.resp import node_urls
+from gateway.state.store import Store
 
 Get = Callable[[str], Awaitable[Any]]
 

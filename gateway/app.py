@@ -21,11 +21,11 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.config import load
-from gateway.pipeline import send_error
-from gateway.request import request_id
-from gateway.responses import JOB_PREFIX
-from gateway.responses import PREFIXES as RESPONSE_PREFIXES
+from gateway.responses.api import JOB_PREFIX
+from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
+from gateway.server.reply import send_error
+from gateway.server.request import request_id
 from gateway.settings import Settings
 
 ENDPOINTS = {
@@ -46,11 +46,11 @@ ENDPOINTS = {
 }
 # Deployment paths: Azure's dated form, and what `AzureOpenAI(base_url=".../openai/v1")` sends.
 AZURE_PREFIXES = ("/openai/deployments/", "/openai/v1/deployments/")
-# How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools (gateway/protocol.py), no
+# How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools (gateway/server/protocol.py), no
 # uvicorn access log (the gateway has its own), and
 # neither proxy-headers middleware nor a server header, since nothing on the request path reads them.
 SERVER_OPTIONS: dict[str, object] = {
-    "http": "gateway.protocol:GatewayProtocol",  # httptools, with limits on heads and slow clients
+    "http": "gateway.server.protocol:GatewayProtocol",  # httptools, with limits on heads and slow clients
     "lifespan": "on",
     "access_log": False,
     "proxy_headers": False,

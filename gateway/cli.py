@@ -47,8 +47,9 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from gateway import descriptors, logs, metric_files
     from gateway.settings import Listen, LogSettings
+    from gateway.telemetry import logs, metric_files
+    from gateway.upstream import descriptors
 
     settings = _config(args.config)
     log = LogSettings(
@@ -80,8 +81,8 @@ def serve(args: argparse.Namespace) -> None:
         if log.access:
             os.environ["SLUICE_ACCESS_LOG"] = "1"
         # Each worker writes its metrics to files in this directory, in batches, and a scrape sums them
-        # (gateway/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory, but not passed
-        # on as such: it would put prometheus_client in its own mode, one file write per observation.
+        # (gateway/telemetry/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory,
+        # but not passed on as such: it would put prometheus_client in its own mode, one file write per observation.
         metrics_dir = None
         given = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", "")
         if given:
@@ -106,9 +107,9 @@ def check(args: argparse.Namespace) -> None:
 
 
 def sim(args: argparse.Namespace) -> None:
-    from gateway.simulation import Profile
-    from gateway.tools import sim as simulator
-    from gateway.tools import sim_fleet
+    from gateway.simulation.answers import Profile
+    from tools import sim as simulator
+    from tools import sim_fleet
 
     if sim_fleet.wanted(args):
         sim_fleet.main(args)
@@ -120,9 +121,9 @@ def sim(args: argparse.Namespace) -> None:
 # What the CLI offers beside serving: (module, help). Each module has add_arguments(parser) and
 # main(args) -> exit code, and is imported only when its own command runs, so `sluice serve` loads none.
 TOOLS: dict[str, tuple[str, str]] = {
-    "bench": ("gateway.tools.bench", "measure the gateway's added latency against a direct connection"),
-    "demo": ("gateway.tools.demo", "watch the SLO fallback, the cache and the overhead live (about 45 s)"),
-    "probe": ("gateway.tools.probe", "latency breakdown and diagnosis of any OpenAI-compatible endpoint"),
+    "bench": ("tools.bench", "measure the gateway's added latency against a direct connection"),
+    "demo": ("tools.demo", "watch the SLO fallback, the cache and the overhead live (about 45 s)"),
+    "probe": ("tools.probe", "latency breakdown and diagnosis of any OpenAI-compatible endpoint"),
     **BUILTIN_COMMANDS,
 }
 
@@ -158,7 +159,7 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
         help="precede a stream's first token with `: sent SECONDS` (an SSE comment: when it was written, on the "
         "host's monotonic clock), so that a client on this host can measure what lies between",
     )
-    from gateway.tools import sim_fleet
+    from tools import sim_fleet
 
     sim_fleet.add_arguments(p)
     p.set_defaults(run=sim)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gateway.providers.base import Provider
     from gateway.settings import ModelSettings
+    from gateway.upstream.providers.base import Provider
 
 
 @dataclass(frozen=True, slots=True)

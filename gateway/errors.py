@@ -12,8 +12,9 @@
      ├─ ServiceUnavailableError   503
      └─ UpstreamTimeoutError      504
 
-`from_pool_error` is the one place where transport failures become statuses; `from_upstream` turns an
-upstream's error answer (whatever its dialect: OpenAI, Azure, vLLM) into our shape with its status.
+`upstream/attempts.py`'s `from_pool_error` is the one place where transport failures become statuses;
+`from_upstream` turns an upstream's error answer (whatever its dialect: OpenAI, Azure, vLLM) into our shape
+with its status.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from typing import Any
 
 import orjson
 
-from gateway import pool
-from gateway.completion import sse
+from gateway.wire.completion import sse
 
 
 class GatewayError(Exception):
@@ -103,24 +103,6 @@ class ServiceUnavailableError(GatewayError):
 
 class UpstreamTimeoutError(GatewayError):
     status, type, code = 504, "upstream_error", "upstream_timeout"
-
-
-def from_pool_error(exc: pool.PoolError, backend: str) -> GatewayError:
-    if isinstance(exc, pool.ConnectTimeout):
-        return UpstreamTimeoutError(f"backend {backend!r}: {exc}", code="connect_timeout")
-    if isinstance(exc, pool.ConnectError):
-        return UpstreamError(f"backend {backend!r}: {exc}", code="connect_error")
-    if isinstance(exc, pool.DescriptorsExhausted):
-        # The gateway's own limit, not the backend's failure: each open stream holds two descriptors.
-        return ServiceUnavailableError(f"gateway at its file-descriptor limit: {exc}", code="gateway_overloaded")
-    if isinstance(exc, pool.PoolTimeout):
-        return ServiceUnavailableError(
-            f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}",
-            code="upstream_pool_exhausted",
-        )
-    if isinstance(exc, pool.ReadTimeout):
-        return UpstreamTimeoutError(f"backend {backend!r}: {exc}")
-    return UpstreamError(f"backend {backend!r}: {exc}")
 
 
 def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:

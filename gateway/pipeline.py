@@ -24,18 +24,21 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors, request
+from gateway import errors
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.streaming import find_usage, relay_stream, stream_rules, usage_mode
-from gateway.telemetry import server_timing
-from gateway.upstream import Opened, around_loading
+from gateway.server import request
+from gateway.server.relay import find_usage, relay_stream, usage_mode
+from gateway.server.reply import BODY_FOLLOWS, JSON, send_error
+from gateway.telemetry.recorder import server_timing
+from gateway.upstream.attempts import Opened, around_loading
+from gateway.wire.marks import stream_rules
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Plugin
     from gateway.settings import Settings
-    from gateway.telemetry import Telemetry
-    from gateway.upstream import Upstreams
+    from gateway.telemetry.recorder import Telemetry
+    from gateway.upstream.attempts import Upstreams
 
 log = logging.getLogger("sluice")
 
@@ -43,12 +46,8 @@ log = logging.getLogger("sluice")
 PASSED = frozenset(
     {b"content-type", b"location", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"}
 )
-JSON = (b"content-type", b"application/json")
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 WATCH_AFTER_S = 0.05
-# In an `http.response.start` message: the body's first part follows at once, so the server may hold the head
-# and write both together (gateway/protocol.py does). Servers ignore keys they do not know (ASGI).
-BODY_FOLLOWS = "sluice.body_follows"
 
 
 class Pipeline:
@@ -394,10 +393,3 @@ def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:
         **ex.labels,  # what plugins report of the request (the cache's result)
     }
     logger.info("%s %d", ex.endpoint, status, extra={"fields": fields})
-
-
-async def send_error(send: Send, exc: errors.GatewayError, rid: str) -> None:
-    body = exc.body()
-    headers = [JSON, (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode()), *exc.headers]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers, BODY_FOLLOWS: True})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

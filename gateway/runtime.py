@@ -6,16 +6,16 @@ import logging
 import threading
 from typing import Any
 
-from gateway.collector import Collector
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
-from gateway.resp import parse_url
-from gateway.responses import Responses
+from gateway.responses.api import Responses
+from gateway.server.collector import Collector
 from gateway.settings import Settings
-from gateway.store import Store, StoreUnavailable
-from gateway.telemetry import Telemetry
-from gateway.upstream import Upstreams
-from gateway.warmup import Warmup
+from gateway.state.resp import parse_url
+from gateway.state.store import Store, StoreUnavailable
+from gateway.telemetry.recorder import Telemetry
+from gateway.upstream.attempts import Upstreams
+from gateway.upstream.warmup import Warmup
 
 log = logging.getLogger("sluice")
 

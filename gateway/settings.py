@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from gateway.resp import parse_url
+from gateway.state.resp import parse_url
 
 
 class ConfigError(Exception):
@@ -45,7 +45,7 @@ class TlsSettings(Strict):
 
 
 class OutlierSettings(Strict):
-    """Envoy-style outlier detection over one backend's endpoints (gateway/endpoints.py)."""
+    """Envoy-style outlier detection over one backend's endpoints (gateway/upstream/endpoints.py)."""
 
     consecutive_failures: int = Field(5, ge=1)  # connect errors, resets or 5xx in a row before an ejection
     base_ejection_s: float = Field(1.0, gt=0)  # the first ejection; doubled for each one after, while it fails

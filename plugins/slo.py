@@ -10,7 +10,7 @@ the hysteresis that keeps it from flapping.
 
 The plugin also grants hedging (`hedge_after_ms`): a request may race the next target when its primary is
 slow to give a first token, but only while the tenant's hedged share stays under `max_hedge_ratio`, so a
-slow primary cannot double the load. `gateway/upstream.py` executes both decisions; this module only
+slow primary cannot double the load. `gateway/upstream/attempts.py` executes both decisions; this module only
 orders `ex.targets` and sets `ex.hedge_after_ms`.
 
 Only streams give TTFT samples: a non-stream answer's latency is its whole generation, not comparable.
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from gateway.plugin import Configured, Empty, Problem, Schema
-from gateway.quantiles import percentile
 from gateway.settings import Strict
+from gateway.telemetry.quantiles import percentile
 
 if TYPE_CHECKING:
     from gateway.context import Exchange

@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from gateway.plugin import Configured, Empty, Problem, Schema
 from gateway.settings import Strict
-from gateway.store import Store, StoreUnavailable
+from gateway.state.store import Store, StoreUnavailable
 
 if TYPE_CHECKING:
     from gateway.context import Exchange

@@ -16,8 +16,8 @@ import redis
 import redis.cluster
 
 from gateway.config import load
-from gateway.resp import node_urls
 from gateway.settings import ConfigError
+from gateway.state.resp import node_urls
 from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
 
 PREFIX = "sk-sluice-"

@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import orjson
 from pydantic import Field
 
-from gateway import completion
 from gateway.errors import UpstreamError
 from gateway.plugin import Configured, Empty, Reply, Schema, Tap
 from gateway.settings import Strict
-from gateway.store import Store, StoreUnavailable
+from gateway.state.store import Store, StoreUnavailable
+from gateway.wire import completion
 from plugins.cache import layout
 from plugins.cache.l1 import L1
 

@@ -29,13 +29,13 @@ import orjson
 import redis
 import redis.cluster
 
-from gateway import request
 from gateway.config import parse, read
 from gateway.errors import GatewayError
 from gateway.plugin import Configured, Empty, load_class
-from gateway.resp import node_urls
+from gateway.server import request
 from gateway.settings import ConfigError, Settings
-from gateway.store import StoreUnavailable
+from gateway.state.resp import node_urls
+from gateway.state.store import StoreUnavailable
 from plugins.cache import Cache, _deterministic, layout
 
 if TYPE_CHECKING:

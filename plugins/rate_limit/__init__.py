@@ -34,7 +34,7 @@ from pydantic import Field
 
 from gateway.plugin import Configured, Empty, Problem, Schema
 from gateway.settings import Strict
-from gateway.store import StoreUnavailable
+from gateway.state.store import StoreUnavailable
 from plugins.rate_limit.buckets import (
     PERIOD_MS,
     REQUESTS,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from gateway.store import Script, Store, StoreUnavailable
+from gateway.state.store import Script, Store, StoreUnavailable
 from plugins.rate_limit.buckets import PERIOD_MS, Plan
 from plugins.rate_limit.lease import Lease
 

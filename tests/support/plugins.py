@@ -6,13 +6,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, cast
 
 from gateway.context import Exchange
-from gateway.metrics import Meter, Metrics
 from gateway.plugin import Configured, Schema
 from gateway.settings import Settings, Strict, TelemetrySettings
+from gateway.telemetry.metrics import Meter, Metrics
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
-    from gateway.store import Store
+    from gateway.state.store import Store
 
 
 class Named(Protocol):

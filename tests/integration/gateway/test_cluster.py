@@ -10,8 +10,8 @@ import openai
 import pytest
 import redis
 
-from gateway.cluster import Cluster, slot
-from gateway.store import Script, Store, StoreUnavailable
+from gateway.state.cluster import Cluster, slot
+from gateway.state.store import Script, Store, StoreUnavailable
 from plugins.auth.keys import add, new_key, revoke
 from tests.support.gateway import gateway_thread
 from tests.support.redis import RedisCluster

@@ -13,8 +13,8 @@ import pytest
 import redis
 import trustme
 
-from gateway.resp import Redis, ReplyError, parse_url
-from gateway.store import Script, Store, StoreUnavailable
+from gateway.state.resp import Redis, ReplyError, parse_url
+from gateway.state.store import Script, Store, StoreUnavailable
 from tests.support.gateway import free_port
 from tests.support.redis import RedisServer
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 
-from gateway.store import Store, StoreUnavailable
+from gateway.state.store import Store, StoreUnavailable
 from tests.support.redis import RedisServer
 from tests.support.wait import until
 

@@ -13,10 +13,10 @@ import httpx
 import trustme
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.simulation import Profile
-from gateway.tools.sim import start_server
+from gateway.simulation.answers import Profile
 from tests.support.gateway import free_port, gateway_thread
 from tests.support.wait import wait_until
+from tools.sim import start_server
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 

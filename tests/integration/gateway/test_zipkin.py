@@ -180,7 +180,7 @@ def test_the_zipkin_exporter_is_imported_only_when_chosen(exporter: str, importe
     program = (
         "import sys\n"
         "from gateway.config import load\n"
-        "from gateway.tracing import Tracing\n"
+        "from gateway.telemetry.tracing import Tracing\n"
         "tracing = Tracing(load(sys.argv[1]), lambda result, n: None)\n"
         "print(type(tracing.exporter.inner).__name__, 'opentelemetry.exporter.zipkin.json' in sys.modules)\n"
         "tracing.shutdown()\n"

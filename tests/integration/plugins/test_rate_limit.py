@@ -19,7 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.config import parse
-from gateway.store import Store
+from gateway.state.store import Store
 from plugins.rate_limit import PERIOD_MS, SCRIPT, Leases, build_plans
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tools import bench, bench_scale
-from gateway.tools.bench_figures import Difference, Dist, Row
+from tools import bench, bench_scale
+from tools.bench_figures import Difference, Dist, Row
 
 COMMAND = "sluice bench --smoke --scenario all"
 

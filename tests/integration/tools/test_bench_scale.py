@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.tools import bench, bench_scale, bench_streams, bench_workers
+from tools import bench, bench_scale, bench_streams, bench_workers
 
 COMMAND = "sluice bench --smoke --scenario workers,streams"
 

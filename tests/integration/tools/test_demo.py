@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.tools import demo
+from tools import demo
 
 DURATION_S = 16.0  # the shortest run with room for detection, the cool-down and the recovery probes
 ROW = re.compile(

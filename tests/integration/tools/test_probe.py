@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from gateway.simulation import Profile
-from gateway.tools.probe import add_arguments, main
-from gateway.tools.probe_client import Sample
-from gateway.tools.probe_diagnosis import diagnose
-from gateway.tools.probe_summary import compare, summarise
-from gateway.tools.sim import start_server
+from gateway.simulation.answers import Profile
 from tests.support.gateway import free_port, gateway_thread
 from tests.support.upstream import Buffered, MissingDone, Ok, ScriptedUpstream, Status
+from tools.probe import add_arguments, main
+from tools.probe_client import Sample
+from tools.probe_diagnosis import diagnose
+from tools.probe_summary import compare, summarise
+from tools.sim import start_server
 
 # Healthy: a quick model, far enough above loopback noise that a busy test machine cannot reorder its stages.
 HEALTHY = Profile(ttft_ms=60.0, tpot_ms=2.0, tokens=12)

@@ -1,0 +1,289 @@
+"""The Responses API: `POST /v1/responses` through the pipeline, and the operations on a stored response.
+
+Creating a response is an ordinary request (endpoint "responses"): auth, rate limits, cache, SLO fallback
+and telemetry apply as for chat completions. Two things differ, both decided here:
+
+- Targets: only backends with the Responses API serve it (`responses_api`, true by default for every kind).
+  A fallback on a chat-only backend is dropped from the chain, and a model whose every target is chat-only
+  is refused with a 400: a Responses request is never translated to chat completions behind the client's
+  back (its stored state, tools and event stream have no faithful equivalent there).
+- Ownership: the id of every response the gateway sees created is remembered with its tenant and model
+  (`ResponseIndex`, in Redis when configured, else in process). `GET/DELETE /v1/responses/{id}`,
+  `POST .../cancel` and `GET .../input_items` go to that model's backend, and only for that tenant (anyone
+  else gets a 404, as for an id that does not exist). An id the gateway did not see created goes to
+  `responses.default_model` (else the first model whose backend has the API).
+
+The operations on a stored response run through the pipeline too (`Exchange.resource` set, no body), so
+auth, headers, metrics and spans look the same; the stored response's usage is not counted again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway import errors
+from gateway.context import Exchange, Target
+from gateway.responses.index import Indexing, Owner, ResponseIndex
+from gateway.responses.jobs import Background, Canned
+from gateway.server import request
+from gateway.server.reply import send_error
+from gateway.state.store import StoreUnavailable
+from gateway.upstream.health import Health
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
+    from gateway.pipeline import Pipeline
+    from gateway.settings import Settings
+    from gateway.state.store import Store
+    from gateway.upstream.attempts import Upstreams
+    from gateway.upstream.providers.base import Provider, UpstreamResponse
+
+log = logging.getLogger("sluice.responses")
+
+PREFIXES = ("/v1/responses/", "/responses/", "/openai/v1/responses/")
+JOB_PREFIX = "/v1/sluice/background/"
+OPERATIONS = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}
+JOB_OPERATIONS = {"": ("GET",), "events": ("GET",)}
+NATIVE_BACKGROUND = frozenset({"openai"})  # backend types that run background responses themselves
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class Owned:
+    """A stored response's backend, for the tenant that created it only; a DELETE forgets it."""
+
+    def __init__(self, inner: Provider, index: ResponseIndex, ident: str, owner: Owner | None) -> None:
+        self.inner = inner
+        self.index = index
+        self.ident = ident
+        self.owner = owner
+        self.kind = inner.kind
+        self.system = inner.system
+        self.url = getattr(inner, "url", None)
+        self.health = inner.health  # read by the attempt loop: a backend known down is tried last
+        self.reports_usage = inner.reports_usage
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        if self.owner is not None and self.owner.tenant != ex.tenant:
+            raise not_found(self.ident)
+        response = await self.inner.send(ex, target)
+        if ex.method == b"DELETE" and response.status == 200:
+            await self.index.forget(self.ident)
+        return response
+
+
+class Run:
+    """A target that is the gateway itself running background jobs: never down, no address."""
+
+    kind = "background"
+    reports_usage = True
+
+    def __init__(self, background: Background, index: ResponseIndex, system: str) -> None:
+        self.background = background
+        self.index = index
+        self.system = system
+        self.url = None
+        self.health = Health("background")
+
+
+class Starter(Run):
+    """The one target of a background request run by the gateway: starts the job, answers at once."""
+
+    def __init__(self, background: Background, index: ResponseIndex, chain: tuple[Target, ...], system: str) -> None:
+        super().__init__(background, index, system)
+        self.chain = chain
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        ident, response = await self.background.begin(ex, self.chain)
+        await self.index.note_now(ident, Owner(ex.tenant, ex.model, job=True))
+        return response
+
+
+class Reader(Run):
+    """A background job's record and events, for the tenant that created it only."""
+
+    def __init__(self, background: Background, index: ResponseIndex, ident: str, system: str) -> None:
+        super().__init__(background, index, system)
+        self.ident = ident
+
+    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
+        background = self.background
+        try:
+            job = await background.jobs.get(self.ident)
+            if job is None or job.tenant != ex.tenant:
+                raise not_found(self.ident)
+            job = await background.check_owner(job)
+            path, _, query = ex.resource.partition("?")
+            operation = path.strip("/").partition("/")[2]
+            if operation == "cancel":
+                job = await background.cancel(job)
+            elif operation == "input_items":
+                items = orjson.loads(job.input)
+                first, last = (items[0].get("id"), items[-1].get("id")) if items else (None, None)
+                page = {"object": "list", "data": items, "first_id": first, "last_id": last, "has_more": False}
+                return Canned(200, orjson.dumps(page))
+            elif ex.method == b"DELETE":
+                await background.cancel(job)
+                await self.index.forget(self.ident)
+                return Canned(200, orjson.dumps({"id": self.ident, "object": "response", "deleted": True}))
+            elif operation == "events" or ex.stream:
+                return background.follow(job, _after(ex, query))
+        except StoreUnavailable:
+            raise errors.ServiceUnavailableError(
+                "the background job store is unavailable; retry shortly", code="background_unavailable"
+            ) from None
+        return Canned(200, job.object)
+
+
+def _after(ex: Exchange, query: str) -> int:
+    """The sequence number to resume after: `starting_after` (Responses) or `Last-Event-ID` (SSE)."""
+    given = ex.header(b"last-event-id")
+    value = given.decode("latin-1") if given is not None else ""
+    for pair in query.split("&"):
+        name, _, found = pair.partition("=")
+        if name == "starting_after":
+            value = found
+    value = value.strip()
+    return int(value) if value.lstrip("-").isdigit() else -1
+
+
+def not_found(ident: str) -> errors.GatewayError:
+    # As OpenAI answers it: a 404 without a code.
+    message = f"Response with id '{ident}' not found."
+    return errors.GatewayError(message, status=404, type="invalid_request_error", param="response_id")
+
+
+class Responses:
+    """Routing for POST /v1/responses and the handler of the stored-response paths; built at start-up."""
+
+    def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, store: Store | None) -> None:
+        self.settings = settings
+        self.upstreams = upstreams
+        self.pipeline = pipeline
+        self.index = ResponseIndex(store, settings.responses.index_ttl_s)
+        self.max_body = settings.limits.max_body_bytes
+        capable = {name for name, backend in settings.backends.items() if backend.responses_api}
+        self.wrapped = {name: Indexing(upstreams.providers[name], self.index) for name in capable}
+        # Each model's chain for the Responses API, once: the capable targets, seen through Indexing.
+        self.chains: dict[str, tuple[Target, ...]] = {}
+        self.refusals: dict[str, errors.GatewayError] = {}
+        for model, chain in upstreams.chains.items():
+            kept = tuple(_rewrap(t, self.wrapped[t.backend]) for t in chain if t.backend in capable)
+            if kept:
+                self.chains[model] = kept
+                dropped = [t.model for t in chain if t.backend not in capable]
+                if dropped:
+                    log.info("model %s: fallback(s) %s not used for the Responses API", model, ", ".join(dropped))
+            else:
+                backend = chain[0].backend
+                self.refusals[model] = errors.BadRequestError(
+                    f"model {model!r} is served by backend {backend!r}, which has no Responses API "
+                    "(responses_api: false); use /v1/chat/completions for it",
+                    param="model",
+                    code="responses_unsupported",
+                )
+        default = settings.responses.default_model
+        self.default_model = default if default is not None else next(iter(self.chains), None)
+        # Background mode: passed through to backends that have it, else run here (background_jobs.py).
+        self.background = Background(settings, upstreams, store)
+        native = {name for name, backend in settings.backends.items() if backend.type in NATIVE_BACKGROUND}
+        self.starters: dict[tuple[str, str], Target] = {}
+        for model, chain in upstreams.chains.items():
+            primary = chain[0]
+            system = primary.provider.system
+            if model in self.chains and primary.backend not in native:
+                capable_chain = tuple(t for t in chain if t.backend in capable)
+                starter = Starter(self.background, self.index, capable_chain, system)
+                self.starters[("responses", model)] = _rewrap(primary, starter, timed=False)
+            self.starters[("chat/completions", model)] = _rewrap(
+                primary, Starter(self.background, self.index, chain, system), timed=False
+            )
+
+    def route(self, ex: Exchange) -> None:
+        """The pipeline's routing step: Responses requests get the Responses chain of their model."""
+        if ex.endpoint == "chat/completions":
+            if ex.header(b"x-sluice-background") == b"true":
+                ex.targets = [self.starters[("chat/completions", ex.model)]]
+                ex.stream = False  # the answer is the job's id; the job itself streams
+                ex.json["background"] = True  # what the other stages read (the cache does not answer it)
+            return
+        if ex.endpoint != "responses":
+            return
+        refusal = self.refusals.get(ex.model)
+        if refusal is not None:
+            raise refusal
+        background = ex.json.get("background") is True
+        if background and ex.json.get("store") is False:
+            raise errors.BadRequestError("a background response must be stored: drop store: false", param="store")
+        starter = self.starters.get(("responses", ex.model)) if background else None
+        ex.targets = [starter] if starter is not None else list(self.chains[ex.model])
+
+    async def start(self) -> None:
+        await self.background.start()
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, rest: str, jobs: bool = False) -> None:
+        """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items;
+        with `jobs`, GET /v1/sluice/background/{id} and GET /v1/sluice/background/{id}/events."""
+        started = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        rid = request.request_id(headers)
+        ident, _, operation = rest.partition("/")
+        method: str = scope["method"]
+        operations = JOB_OPERATIONS if jobs else OPERATIONS
+        allowed = operations.get(operation)
+        if allowed is None or not RESPONSE_ID.fullmatch(ident):
+            await send_error(send, errors.NotFoundError("unknown URL", code="unknown_url"), rid)
+            return
+        if method not in allowed:
+            error = errors.MethodNotAllowedError(f"{method} is not allowed here")
+            error.headers = [(b"allow", ", ".join(allowed).encode())]
+            await send_error(send, error, rid)
+            return
+        try:
+            await request.read_body(receive, headers, self.max_body)  # nothing is expected, but read it off
+        except request.ClientGone:
+            return
+        except errors.GatewayError as exc:
+            await send_error(send, exc, rid)
+            return
+        owner = await self.index.lookup(ident)
+        model = owner.model if owner is not None else None if jobs else self.default_model
+        target = self.upstreams.targets.get(model) if model is not None else None
+        job = owner is not None and owner.job
+        # Each path reads its own kind: a Responses job or stored response under /v1/responses, a chat job
+        # under /v1/sluice/background.
+        wrong_path = (job and ident.startswith("resp_") == jobs) or (jobs and not job)
+        if target is None or (target.backend not in self.wrapped and not job) or wrong_path:
+            await send_error(send, not_found(ident), rid)
+            return
+        query: bytes = scope.get("query_string", b"")
+        ex = Exchange(rid, "chat/completions" if jobs else "responses", headers, b"", {"model": target.model}, started)
+        ex.method = method.encode()
+        ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
+        ex.stream = operation == "events" or (method == "GET" and not operation and b"stream=true" in query)
+        system = target.provider.system
+        if job:
+            provider: Any = Reader(self.background, self.index, ident, system)
+        else:
+            provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
+        ex.targets = [_rewrap(target, provider, timed=False)]
+        ex.mark("parse", started)
+        await self.pipeline.serve(ex, receive, send)
+
+    async def aclose(self) -> None:
+        await self.background.aclose()
+        await self.index.aclose()
+
+
+def _rewrap(target: Target, provider: Any, timed: bool = True) -> Target:
+    """`target` served by `provider`; `timed=False` drops the first-token deadline and hedging, which are
+    about a model generating, not about reading what a job stored (a queued job has no first token yet)."""
+    settings = target.settings
+    if not timed:
+        settings = settings.model_copy(update={"first_token_deadline_ms": None, "hedge_after_ms": None})
+    return Target(target.model, target.backend, target.upstream_model, settings, provider)

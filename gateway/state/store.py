@@ -1,0 +1,138 @@
+"""The shared Redis client, behind a circuit breaker, for the plugins that keep state across processes.
+
+Redis is an accelerator here, never a dependency of answering: every call has a short deadline and is
+tried once, and after a failure the breaker stays open for a cool-down, during which calls fail at once
+with `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
+recovery are logged once each; failures are counted for the metrics.
+
+Callers speak in commands (`execute("GET", key)`, `pipeline([...])`, `run(script, keys, args)`), never in a
+client library's objects. Underneath is the lean pipelined client of `resp.py` (a single server) or
+`cluster.py` (a Redis Cluster, `redis+cluster://`); replies are RESP as it comes: bytes, int, list or None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.state.cluster import Cluster
+from gateway.state.resp import Arg, Client, Redis, ReplyError, node_urls, parse_url
+
+log = logging.getLogger("sluice.store")
+
+
+class StoreUnavailable(Exception):
+    """Redis is down, slow or not configured: use the in-process fallback."""
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """A Lua script run by its SHA1 (EVALSHA), loaded again when Redis has forgotten it (NOSCRIPT)."""
+
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+def connect(url: str, **limits: Any) -> Client:
+    """The client for `url`: a single server, or a cluster found from its seeds. Nothing is opened yet."""
+    addresses, options, cluster = parse_url(url, **limits)
+    if cluster:
+        return Cluster(url, addresses, options)
+    return Redis(url, addresses[0], options)
+
+
+class Store:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 0.05,
+        connect_timeout_s: float = 0.2,
+        cooldown_s: float = 1.0,
+        connections: int = 2,
+    ) -> None:
+        self.url = url
+        # A few connections per server carry every call, pipelined: a burst queues on them (within the
+        # deadline) instead of opening more connections, so it never opens the breaker while Redis is fine.
+        self.client = connect(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, connections=connections)
+        self.cooldown_s = cooldown_s
+        self.open_until = 0.0  # while time.monotonic() is below this, calls are not even tried
+        self.down = False
+        self.failures = 0  # total, for metrics
+
+    @property
+    def node_urls(self) -> list[str]:
+        """A plain URL per node named by `url` (a cluster's seeds), for redis-py clients off the request path."""
+        return node_urls(self.url)
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.open_until
+
+    async def execute(self, *command: Arg) -> Any:
+        """One command, one round trip: `await store.execute("GET", key)`."""
+        # _check and _guarded written out: the request path's Redis calls come this way, and each call or
+        # awaited coroutine saved is about a thousand instructions.
+        if time.monotonic() < self.open_until:
+            raise StoreUnavailable("redis circuit open")
+        try:
+            result = await self.client.call(command)
+        except Exception as exc:
+            raise self._trip(exc) from exc
+        if self.down:
+            self._recovered()
+        return result
+
+    async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
+        """Several commands in one round trip; a command's error is returned in its place, not raised."""
+        self._check()
+        return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
+
+    async def run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+        """EVALSHA `script`; a Redis that has forgotten it (restarted, flushed) is sent the source (EVAL)."""
+        self._check()
+        return await self._guarded(self._run(script, keys, args))
+
+    async def _run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
+        try:
+            return await self.client.call(("EVALSHA", script.sha, len(keys), *keys, *args))
+        except ReplyError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            # EVAL runs the script and caches it, in the same round trip and on the node that owns the keys.
+            return await self.client.call(("EVAL", script.source, len(keys), *keys, *args))
+
+    async def _guarded(self, call: Awaitable[Any]) -> Any:
+        try:
+            result = await call
+        except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
+            raise self._trip(exc) from exc
+        self._recovered()
+        return result
+
+    def _check(self) -> None:
+        if time.monotonic() < self.open_until:
+            raise StoreUnavailable("redis circuit open")
+
+    def _trip(self, exc: Exception) -> StoreUnavailable:
+        self.failures += 1
+        self.open_until = time.monotonic() + self.cooldown_s
+        if not self.down:
+            self.down = True
+            log.warning("redis unavailable (%s): falling back to in-process state", type(exc).__name__)
+        return StoreUnavailable(str(exc) or type(exc).__name__)
+
+    def _recovered(self) -> None:
+        if self.down:
+            self.down = False
+            log.warning("redis is back")
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,352 @@
+"""Metrics: the Prometheus series of `/metrics`, recorded once per request in the completion task.
+
+Latency histograms are in seconds, labelled by tenant, public model, served model, backend, stream and cache
+result, with the GenAI conventions' boundaries (to ~82 s) below which finer ones resolve the gateway's own
+sub-millisecond overhead. Counters cover requests by status, tokens, cache results, fallbacks, rate-limit
+rejections, Redis failures and the fate of trace spans; gauges the requests in flight and each model's SLO
+state.
+
+Plugins own their series (the Envoy model): they make them at start-up through the `Meter` they are given
+(`runtime.meter`), in the same registry, and add labels to the request series by declaring them in their
+schema and setting `ex.labels`. This module never names a plugin.
+
+Recording is cheap: the labelled children of one label tuple are looked up once and kept, so a request
+costs a dict lookup and a handful of increments, after its response has ended and never per chunk. The
+tenant label is bounded (`telemetry.max_tenants`, then `other`).
+
+With several worker processes (`sluice serve --workers N`) every worker keeps its values in memory as one
+process does, writes them to files in a shared directory in batches, and a scrape, whichever worker answers
+it, has the others write theirs and sums them all (gateway/telemetry/metric_files.py: no file write per request).
+Under prometheus_client's own multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set by whatever runs the
+gateway) every value is written to its file as it changes, and scrapes sum those. Exemplars (the trace id of
+a sampled request on the bucket it fell in) are kept with one process and shown to scrapers that ask for
+OpenMetrics; the multiprocess files have no place for them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from gateway.telemetry import metric_files
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.plugin import Outcome
+    from gateway.settings import TelemetrySettings
+    from gateway.state.store import Store
+    from gateway.upstream.health import Health
+
+# GenAI operation-duration boundaries (0.01 s doubling to 81.92 s) with finer ones below them.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+    40.96, 81.92,
+)  # fmt: skip
+# GenAI time-per-output-token boundaries, from 1 ms.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# The gateway's own time per request: tens of microseconds when all is well, milliseconds when it is not.
+OVERHEAD_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+CORE_LABELS = ("tenant", "model", "served_model", "backend", "stream")
+OTHER_TENANT = "other"
+CLIENT_CLOSED = "499"  # the client left before the response head: no status was ever sent
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class TenantLabels:
+    """At most `limit` tenant label values: the configured tenants first, then the first ones seen."""
+
+    def __init__(self, limit: int, known: Iterable[str]) -> None:
+        self.limit = limit
+        self.labels: dict[str, str] = {name: name for name in sorted(known)[:limit]}
+
+    def __call__(self, tenant: str) -> str:
+        label = self.labels.get(tenant)
+        if label is None:
+            if len(self.labels) >= self.limit:
+                return OTHER_TENANT
+            label = self.labels[tenant] = tenant
+        return label
+
+
+class Series:
+    """The labelled children of one (tenant, model, served_model, backend, stream, cache) tuple.
+
+    Children are made on first use, so that a cache hit, say, has no empty upstream or token series.
+    """
+
+    __slots__ = ("children", "labels", "metrics")
+
+    def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
+        self.metrics = metrics
+        self.labels = labels
+        self.children: dict[str, Any] = {}
+
+    def observe(self, name: str, seconds: float, exemplar: dict[str, str] | None) -> None:
+        child = self.children.get(name)
+        if child is None:
+            child = self.children[name] = getattr(self.metrics, name).labels(*self.labels)
+        child.observe(seconds, exemplar)
+
+    def count(self, status: str) -> None:
+        child = self.children.get(status)
+        if child is None:
+            child = self.children[status] = self.metrics.requests.labels(*self.labels, status)
+        child.inc()
+
+    def tokens(self, direction: str, count: int) -> None:
+        child = self.children.get(direction)
+        if child is None:
+            child = self.children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
+        child.inc(count)
+
+
+class Metrics:
+    def __init__(
+        self,
+        settings: TelemetrySettings,
+        tenants: Iterable[str] = (),
+        labels: Mapping[str, str] | None = None,
+        store: Store | None = None,
+        backends: Mapping[str, Health] | None = None,
+    ) -> None:
+        """`labels`: the request-series labels plugins declared, with the value of a request that set none."""
+        self.directory = multiprocess_dir()  # prometheus_client's own multiprocess mode
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.gauge_modes = {"sluice_inflight_requests": "livesum", "sluice_backend_up": "livemin"}
+        shared = metric_files.directory() if self.directory is None else None
+        self.files = metric_files.MetricFiles(registry, shared, self.gauge_modes) if shared else None
+        self.exemplars = self.directory is None and self.files is None
+        self.extra = dict(labels or {})
+        names = (*CORE_LABELS, *self.extra)
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Arrival to the first output token (streams) or to the whole answer.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "sluice_time_per_output_token_seconds",
+            "Mean time per output token after the first, per stream.",
+            names,
+            buckets=TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "sluice_request_duration_seconds",
+            "Arrival to the last byte sent.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.upstream = Histogram(
+            "sluice_upstream_duration_seconds",
+            "Time spent waiting on upstreams for the response head (and first chunk), every try included.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "sluice_overhead_seconds",
+            "The gateway's own time before the response head: arrival to head minus upstream wait.",
+            names,
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "sluice_requests_total",
+            "Requests by the status sent to the client (499: the client left before the head).",
+            (*names, "status"),
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "sluice_tokens_total",
+            "Tokens reported in upstream usage, by direction (input or output).",
+            (*names[:4], "direction"),
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "sluice_fallbacks_total",
+            "Requests not served by their first target, by reason (slo, deadline, error, hedge).",
+            ("model", "served_model", "reason"),
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "sluice_plugin_rejections_total",
+            "Requests a plugin refused before any upstream was tried, by plugin and status.",
+            ("tenant", "model", "plugin", "status"),
+            registry=registry,
+        )
+        self.redis_failures = Counter(
+            "sluice_redis_failures_total", "Redis calls that failed or timed out.", registry=registry
+        )
+        self.trace_spans = Counter(
+            "sluice_trace_spans_total",
+            "Trace spans by fate: exported, export_failed, or dropped (the export queue was full).",
+            ("result",),
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "sluice_inflight_requests",
+            "Requests between routing and completion (stream=true: open streams).",
+            ("stream",),
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.backend_up = Gauge(
+            "sluice_backend_up",
+            "1 while the gateway can reach the backend, 0 while it is down (the least over worker processes).",
+            ("backend",),
+            registry=registry,
+            multiprocess_mode="livemin",
+        )
+        self.pool_exhausted = Counter(
+            "sluice_upstream_pool_exhausted_total",
+            "Requests answered 503 because every connection to the backend was busy (pool.max_connections).",
+            ("backend",),
+            registry=registry,
+        )
+        self.backends = dict(backends or {})
+        self.exhausted_seen = {name: 0 for name in self.backends}
+        self.tenant_label = TenantLabels(settings.max_tenants, tenants)
+        self.series: dict[tuple[str, ...], Series] = {}
+        self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
+        self.store = store
+        self.store_seen = 0
+        self.span_counters: dict[str, Any] = {}
+
+    # -- the request path ---------------------------------------------------------------------------------
+
+    def begin(self, ex: Exchange) -> None:
+        self.open[ex.stream].inc()
+
+    def rejected(self, status: int) -> None:
+        self.requests.labels("unknown", "", "", "", "", *self.extra.values(), str(status)).inc()
+
+    # -- the completion task ------------------------------------------------------------------------------
+
+    def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
+        self.open[ex.stream].dec()
+        served = ex.served
+        tenant = self.tenant_label(ex.tenant)
+        labels: tuple[str, ...] = (
+            tenant,
+            ex.model,
+            served.model if served is not None else "",
+            served.backend if served is not None else "",
+            "true" if ex.stream else "false",
+        )
+        if self.extra:
+            got = ex.labels
+            labels += tuple(got.get(name, default) for name, default in self.extra.items())
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = Series(self, labels)
+        series.count(str(outcome.status) if outcome.status else CLIENT_CLOSED)
+        # Exemplars only where they can be shown: the multiprocess files do not keep them.
+        exemplar = {"trace_id": trace_id} if trace_id is not None and self.exemplars else None
+        series.observe("duration", total_ms / 1000.0, exemplar)
+        if outcome.status < 400:  # an error body is no first token
+            if outcome.ttft_ms is not None:
+                series.observe("ttft", outcome.ttft_ms / 1000.0, exemplar)
+            if outcome.tpot_ms is not None:
+                series.observe("tpot", outcome.tpot_ms / 1000.0, exemplar)
+        if ex.attempts:
+            series.observe("upstream", ex.upstream_ms / 1000.0, exemplar)
+        if ex.overhead_ms > 0:
+            series.observe("overhead", ex.overhead_ms / 1000.0, exemplar)
+        usage = outcome.usage
+        if usage is not None:
+            for field, direction in (("prompt_tokens", "input"), ("completion_tokens", "output")):
+                tokens = usage.get(field)
+                if isinstance(tokens, int) and tokens > 0:
+                    series.tokens(direction, tokens)
+        if ex.fallback is not None:
+            self.fallbacks.labels(ex.model, labels[2], ex.fallback).inc()
+        if ex.rejected_by is not None:
+            self.rejections.labels(tenant, ex.model, ex.rejected_by, str(outcome.status)).inc()
+        self.sync()
+
+    def count_spans(self, result: str, count: int) -> None:
+        """Called from the export thread too: prometheus_client's values are locked."""
+        counter = self.span_counters.get(result)
+        if counter is None:
+            counter = self.span_counters[result] = self.trace_spans.labels(result)
+        counter.inc(count)
+
+    def sync(self) -> None:
+        """Bring the series read from elsewhere (Redis failures) up to date."""
+        store = self.store
+        if store is not None and store.failures != self.store_seen:
+            self.redis_failures.inc(max(store.failures - self.store_seen, 0))
+            self.store_seen = store.failures
+
+    # -- /metrics -----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.files is not None:
+            await self.files.start()
+
+    def refresh(self) -> None:
+        """The series read at scrape time from elsewhere (Redis failures, backend health): nothing per request."""
+        self.sync()
+        for name, health in self.backends.items():
+            self.backend_up.labels(name).set(0 if health.down else 1)
+            if health.pool_exhausted != self.exhausted_seen[name]:
+                self.pool_exhausted.labels(name).inc(health.pool_exhausted - self.exhausted_seen[name])
+                self.exhausted_seen[name] = health.pool_exhausted
+
+    async def gather(self) -> None:
+        """Before a scrape: with several workers, every live worker's values written where the scrape sums them."""
+        if self.files is not None:
+            self.refresh()
+            await self.files.gather()
+
+    def exposition(self, accept: str) -> tuple[bytes, str]:
+        """The body and content type of a scrape: OpenMetrics (with exemplars) if asked for, else text 0.0.4."""
+        self.refresh()
+        registry = self.registry
+        if self.files is not None:
+            self.files.write()
+            registry = self.files.exposition_registry()
+        elif self.directory is not None:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, self.directory)
+        encode, content_type = choose_encoder(accept)
+        return encode(registry), content_type
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
+        if self.directory is not None:
+            # This process's gauges (in flight, and the plugins') stop counting; its counters stay in the sums.
+            mark_process_dead(os.getpid(), self.directory)
+
+
+class Meter:
+    """What a plugin is given to make series of its own in the gateway's registry (runtime.meter)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.registry = metrics.registry
+        self.modes = metrics.gauge_modes
+        self.tenant = metrics.tenant_label  # the bounded tenant label: use it for any tenant-labelled series
+
+    def counter(self, name: str, documentation: str, labels: Iterable[str]) -> Counter:
+        return Counter(name, documentation, tuple(labels), registry=self.registry)
+
+    def gauge(
+        self, name: str, documentation: str, labels: Iterable[str], mode: Literal["livesum", "livemin"] = "livesum"
+    ) -> Gauge:
+        """With several workers a scrape shows the sum over the live ones (`livemin`: the least of them)."""
+        self.modes[name] = mode
+        return Gauge(name, documentation, tuple(labels), registry=self.registry, multiprocess_mode=mode)

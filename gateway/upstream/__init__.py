@@ -1,0 +1,7 @@
+"""Everything toward the backends: the attempt loop, the pools, endpoints, routing policies and providers.
+
+Owns choosing a target's endpoint (round robin, least load, prefix affinity), connecting to it over a warm pool
+(HTTP/1.1 on asyncio + httptools, or HTTP/2), the health of each endpoint and its warm-up, and one provider module a
+backend kind in `providers/`. It may import the contract, `state`, `telemetry`, `server` (the relay the attempt loop
+opens) and `simulation` (the built-in backend); nothing above it.
+"""

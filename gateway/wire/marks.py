@@ -1,0 +1,48 @@
+"""What marks a stream's first token, its usage and its end, per endpoint: seen with a regex, never parsed.
+
+The relay (server/relay.py) and the attempt loop's first-token deadline (upstream/attempts.py) both read a
+stream by these marks, so they live here, below both.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# The first chunk that carries output: text, a tool call or its arguments. Azure's preamble (empty
+# choices, prompt_filter_results) and the role-only first delta do not match.
+FIRST_TOKEN = re.compile(
+    rb'"(?:content|text|arguments|reasoning_content|reasoning|refusal)":\s*"[^"]|"tool_calls":\s*\[\s*\{'
+)
+USAGE = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
+DONE = b"data: [DONE]"
+DONE_MARK = re.compile(re.escape(DONE))
+USAGE_EVENT = re.compile(rb'"choices":\s*\[\s*\]')
+NULL_USAGE = b',"usage":null'
+NULL_USAGE_SPACED = b', "usage": null'
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRules:
+    """How to see an endpoint's first token and its end without parsing its events."""
+
+    first_token: re.Pattern[bytes]
+    end: re.Pattern[bytes]
+    end_name: str  # for the error when it is missing
+
+
+CHAT_RULES = StreamRules(FIRST_TOKEN, DONE_MARK, "[DONE]")
+# Responses streams name every event's type; the first output is a delta of text, a refusal, a tool call's
+# arguments or reasoning, and the stream ends with its terminal event rather than [DONE].
+RESPONSES_RULES = StreamRules(
+    re.compile(
+        rb"response\.(?:output_text|refusal|function_call_arguments|custom_tool_call_input|reasoning_text"
+        rb"|reasoning_summary_text|audio_transcript|audio|code_interpreter_call_code)\.delta"
+    ),
+    re.compile(rb"response\.(?:completed|incomplete|failed)\b"),
+    "response.completed",
+)
+
+
+def stream_rules(endpoint: str) -> StreamRules:
+    return RESPONSES_RULES if endpoint == "responses" else CHAT_RULES

@@ -1,0 +1,197 @@
+"""The response cycle that writes a marked head with its body's first part: uvicorn's bytes, in fewer writes.
+
+Each case is sent through uvicorn's own RequestResponseCycle and through ours, each on a transport that records
+its writes: the bytes on the wire must be identical, and a head marked BODY_FOLLOWS must leave with its body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from gateway.server.protocol import Cycle
+from gateway.server.reply import BODY_FOLLOWS
+
+DEFAULT_HEADERS = [(b"date", b"Tue, 01 Dec 2026 12:00:00 GMT")]
+JSON = (b"content-type", b"application/json")
+
+
+class Recording:
+    """A transport that keeps what is written to it."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def cycle(kind: type[RequestResponseCycle], method: str = "POST", keep_alive: bool = True) -> RequestResponseCycle:
+    transport: Any = Recording()
+    scope: Any = {"type": "http", "method": method, "path": "/v1/chat/completions", "headers": []}
+    made = RequestResponseCycle(
+        scope=scope,
+        transport=transport,
+        flow=FlowControl(transport),
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test.access"),
+        access_log=False,
+        default_headers=DEFAULT_HEADERS,
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: None,
+    )
+    made.__class__ = kind  # as GatewayProtocol does to the cycle uvicorn made
+    return made
+
+
+def start(status: int, headers: list[tuple[bytes, bytes]], marked: bool = True) -> dict[str, Any]:
+    message: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
+    if marked:
+        message[BODY_FOLLOWS] = True
+    return message
+
+
+def body(data: bytes, more: bool = False) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": more}
+
+
+WHOLE = b'{"id":"chatcmpl-1","choices":[]}'
+CASES: dict[str, tuple[str, bool, list[dict[str, Any]]]] = {
+    "whole body": ("POST", True, [start(200, [JSON, (b"content-length", b"%d" % len(WHOLE))]), body(WHOLE)]),
+    "error body": ("POST", True, [start(429, [JSON, (b"content-length", b"2"), (b"retry-after", b"1")]), body(b"{}")]),
+    "stream": (
+        "POST",
+        True,
+        [
+            start(200, [(b"content-type", b"text/event-stream")]),
+            *(body(b"data: %b\n\n" % event, True) for event in (b"1", b"2", b"[DONE]")),
+            body(b""),
+        ],
+    ),
+    "stream, first part empty": (
+        "POST",
+        True,
+        [start(200, [(b"content-type", b"text/event-stream")]), body(b"", True), body(b"data: 1\n\n", True), body(b"")],
+    ),
+    "client asked to close": ("POST", False, [start(200, [(b"content-length", b"2")]), body(b"{}")]),
+    "204": ("POST", True, [start(204, []), body(b"")]),
+    "HEAD": ("HEAD", True, [start(200, [(b"content-length", b"2")]), body(b"")]),
+    "unmarked": ("POST", True, [start(200, [(b"content-length", b"2")], marked=False), body(b"{}")]),
+    "connection header": (
+        "POST",
+        True,
+        [start(200, [(b"content-length", b"2"), (b"connection", b"close")]), body(b"{}")],
+    ),
+    "mixed-case name": ("POST", True, [start(200, [(b"Content-Length", b"2"), (b"X-Thing", b"1")]), body(b"{}")]),
+}
+
+
+async def run(kind: type[RequestResponseCycle], method: str, keep_alive: bool, messages: list[dict[str, Any]]) -> Any:
+    made = cycle(kind, method, keep_alive)
+    for message in messages:
+        await made.send(message)  # type: ignore[arg-type]
+    return made
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_the_same_bytes_as_uvicorn(case: str) -> None:
+    method, keep_alive, messages = CASES[case]
+    theirs = await run(RequestResponseCycle, method, keep_alive, messages)
+    ours = await run(Cycle, method, keep_alive, messages)
+    assert b"".join(ours.transport.writes) == b"".join(theirs.transport.writes)
+    assert (ours.response_complete, ours.keep_alive, ours.transport.closed) == (
+        theirs.response_complete,
+        theirs.keep_alive,
+        theirs.transport.closed,
+    )
+
+
+@pytest.mark.parametrize("case", ["whole body", "error body", "stream", "client asked to close"])
+async def test_a_marked_head_leaves_with_the_first_body_part(case: str) -> None:
+    method, keep_alive, messages = CASES[case]
+    theirs = await run(RequestResponseCycle, method, keep_alive, messages)
+    ours = await run(Cycle, method, keep_alive, messages)
+    assert len(ours.transport.writes) == len(theirs.transport.writes) - 1
+    assert ours.transport.writes[0].startswith(b"HTTP/1.1 ")
+    assert ours.transport.writes[0].endswith(messages[1]["body"] + (b"\r\n" if case == "stream" else b""))
+
+
+async def test_a_marked_head_waits_for_nothing_else() -> None:
+    """Until the first body part, nothing is written; the head is not lost if that part is empty."""
+    made = cycle(Cycle)
+    await made.send(start(200, [(b"content-type", b"text/event-stream")]))  # type: ignore[arg-type]
+    assert made.transport.writes == []  # type: ignore[attr-defined]
+    await made.send(body(b"", True))  # type: ignore[arg-type]
+    assert made.transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("name", "value"), [(b"x-bad", b"a\x01b"), (b"x-bad", b"a\r\nb"), (b"bad name", b"1")])
+async def test_an_invalid_header_is_refused_as_uvicorn_does(name: bytes, value: bytes) -> None:
+    for kind in (RequestResponseCycle, Cycle):
+        made = cycle(kind)
+        with pytest.raises(RuntimeError, match="Invalid HTTP header"):
+            await made.send(start(200, [JSON, (name, value), (b"content-length", b"2")]))  # type: ignore[arg-type]
+        assert made.response_started  # so uvicorn's run_asgi closes the connection rather than send a second head
+        assert made.transport.writes == []  # type: ignore[attr-defined]
+
+
+async def test_a_body_longer_than_its_content_length_is_refused() -> None:
+    made = cycle(Cycle)
+    await made.send(start(200, [(b"content-length", b"2")]))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="longer than Content-Length"):
+        await made.send(body(b"{}{}"))  # type: ignore[arg-type]
+
+
+def test_uvicorn_still_starts_each_cycle_where_the_protocol_swaps_its_class() -> None:
+    """If uvicorn renames the hook, heads would quietly go out on their own again: fail here instead."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from gateway.server.protocol import GatewayProtocol
+
+    assert "_start_asgi_task" in vars(HttpToolsProtocol)
+    assert "_start_asgi_task" in vars(GatewayProtocol)
+
+
+def test_the_deleted_bytes_are_what_uvicorns_regexes_refuse() -> None:
+    from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
+
+    from gateway.server.protocol import BAD_NAME, BAD_VALUE
+
+    for code in range(256):
+        byte = bytes([code])
+        assert (HEADER_RE.search(byte) is not None) == (byte in BAD_NAME), code
+        assert (HEADER_VALUE_RE.search(byte) is not None) == (byte in BAD_VALUE), code
+
+
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\rb", b"a\nb", b"\x7f", b"a\r\nx-injected: 1"])
+async def test_a_bad_value_is_refused_after_its_name_is_known(value: bytes) -> None:
+    """A name checked once is not a free pass for its values."""
+    for headers in ([JSON, (b"x-known", b"fine")], [JSON, (b"x-known", value)]):
+        made = cycle(Cycle)
+        sent = made.send(start(200, [*headers, (b"content-length", b"2")]))  # type: ignore[arg-type]
+        if headers[1][1] == b"fine":
+            await sent
+            continue
+        with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
+            await sent

@@ -1,0 +1,221 @@
+"""`sluice bench`: what the gateway adds to latency and what it costs, measured against the upstream it proxies.
+
+Two simulated upstreams (`sluice sim`: `paced` streams 20 tokens 5 ms apart, `fast` answers at once) run pinned
+to one CPU together with this load generator (and, for the scenarios that need them, a throwaway Redis and
+OTLP sinks); the gateways (`sluice serve`, one worker each) run pinned to another. The same request bodies go
+straight to an upstream ("direct") and through a gateway ("through"), the sides interleaved cell by cell and
+their order rotated every round. The method is the one behind docs/benchmarks.md: open-loop arrivals at fixed
+rates, overhead = through - direct within a round, median over rounds; max throughput from a closed loop;
+gateway CPU read from /proc.
+
+Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare gateway, the default),
+`tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss), `tracing` (OTLP
+export at two sample ratios), `full` (every stage on at once, every request a cache miss), and, with processes
+of their own (bench_scale), `workers` (one worker against two) and `streams` (10,000 streams in one); `routing`
+(the route policies over simulated replicas, bench_routing) is not in `all`. This module parses the command line
+and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
+in its own module, the page in bench_report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tools import bench_cache, bench_core, bench_full, bench_scale, bench_tenants, bench_tracing
+from tools.bench_fleet import BenchError, machine, placement
+from tools.bench_report import Report, command_line, judge
+from tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
+
+__all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", "add_arguments", "main", "run"]
+
+T = TypeVar("T")
+SCENARIOS = ("core", "tenants", "cache", "tracing", "full", *bench_scale.OWN_PROCESSES)
+# Run by its own module with its own replicas and gateway (tools/bench_routing.py); not part of `all`.
+ROUTING = "routing"
+NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
+
+DEFAULT = BenchOptions()
+QUICK = replace(
+    DEFAULT, rounds=1, cell_seconds=1.5, max_warmup_seconds=0.3, max_seconds=1.5, comparisons=2, preset="quick"
+)
+SMOKE = replace(
+    DEFAULT,
+    rounds=1,
+    cell_seconds=0.25,
+    min_requests=3,
+    max_requests=50,
+    concurrency=8,
+    max_warmup_seconds=0.1,
+    max_seconds=0.4,
+    comparisons=1,
+    pin=False,
+    fill_prompts=300,
+    preset="smoke",
+)
+
+
+def run(options: BenchOptions) -> Report:
+    """Start the upstreams, helpers and gateways, run the scenarios, stop everything, and return the figures.
+
+    The scenarios that start their own processes are left out: `main` runs them after this.
+    """
+    options = replace(options, scenarios=tuple(n for n in options.scenarios if n not in bench_scale.OWN_PROCESSES))
+    started = time.perf_counter()
+    where = placement(options.pin)
+    names = options.scenarios
+    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    about = machine()
+    sinks = (*(bench_tracing.SINKS if "tracing" in names else ()), *((bench_full.SINK,) if "full" in names else ()))
+    affinity = os.sched_getaffinity(0)
+    rig = Rig.launch(options, where, redis=bool(NEEDS_REDIS & set(names)), sinks=sinks)
+    try:
+        if where.harness_cpu is not None:
+            os.sched_setaffinity(0, {where.harness_cpu})
+        gc.collect()
+        gc.freeze()  # start-up objects need no more collecting: keeps collector pauses out of the timings
+        parts, rss = run_loop(measure(rig))
+    finally:
+        gc.unfreeze()
+        os.sched_setaffinity(0, affinity)
+        rig.stop()
+    core, tenants, cache, tracing, full = parts
+    return Report(
+        options=options,
+        date=date,
+        machine=about,
+        placement=where.note,
+        seconds=time.perf_counter() - started,
+        core=core,
+        tenants=tenants,
+        cache=cache,
+        tracing=tracing,
+        full=full,
+        peak_rss_mb=rss,
+        checks=judge(core, tenants, cache, full),
+    )
+
+
+Parts = tuple[
+    bench_core.Core | None,
+    bench_tenants.Tenants | None,
+    bench_cache.Cache | None,
+    bench_tracing.Tracing | None,
+    bench_full.Full | None,
+]
+
+
+async def measure(rig: Rig) -> tuple[Parts, float]:
+    """The scenarios in a fixed order, the core gateway running throughout as their common baseline."""
+    names = rig.options.scenarios
+    try:
+        await rig.connect()
+        await rig.start_gateways([bench_core.GATEWAY])
+        core = await bench_core.measure(rig) if "core" in names else None
+        tenants = await bench_tenants.measure(rig) if "tenants" in names else None
+        cache = await bench_cache.measure(rig) if "cache" in names else None
+        tracing = await bench_tracing.measure(rig) if "tracing" in names else None
+        full = await bench_full.measure(rig) if "full" in names else None
+        rss = rig.gateways[bench_core.NAME].child.peak_rss_mb()
+    finally:
+        await rig.aclose()
+    return (core, tenants, cache, tracing, full), rss
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        return asyncio.run(main)
+    result: T = uvloop.run(main)
+    return result
+
+
+def scenario_names(text: str) -> tuple[str, ...]:
+    """`core`, `tenants,cache`, `all`: the scenarios to run, in the order they run."""
+    asked = {name.strip() for name in text.split(",") if name.strip()}
+    if "all" in asked:
+        return SCENARIOS
+    unknown = asked - {*SCENARIOS, ROUTING}
+    if unknown or not asked:
+        names = ", ".join((*SCENARIOS, ROUTING))
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {', '.join(sorted(unknown)) or '(none)'}: choose from {names} or all"
+        )
+    return tuple(name for name in (*SCENARIOS, ROUTING) if name in asked)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="one short round (about 30 s for core)")
+    parser.add_argument("--smoke", action="store_true", help="tiny counts, unpinned: checks that it all runs")
+    parser.add_argument("--rounds", type=int, help="rounds of direct/through cells (default 3)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin the processes to CPUs")
+    parser.add_argument(
+        "--scenario",
+        type=scenario_names,
+        default=("core",),
+        metavar="NAME[,NAME...]",
+        help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core); {ROUTING}: the route policies",
+    )
+    parser.add_argument("--config", help=f"the core gateway's config (default bench/{CORE_CONFIG})")
+    parser.add_argument("--write", metavar="PATH", help="also write the markdown report to PATH")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    base = SMOKE if args.smoke else QUICK if args.quick else DEFAULT
+    return replace(
+        base,
+        rounds=args.rounds or base.rounds,
+        pin=base.pin and not args.no_pin,
+        scenarios=args.scenario,
+        config=args.config,
+        write=args.write,
+        command=command_line(),
+    )
+
+
+def main(options: BenchOptions | argparse.Namespace) -> int:
+    """Run, print the report, write it with --write; 0 when every request succeeded."""
+    if isinstance(options, argparse.Namespace):
+        options = options_from_args(options)
+    if ROUTING in options.scenarios:
+        from tools import bench_routing
+
+        seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
+        status = bench_routing.main(seconds)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != ROUTING))
+        if not options.scenarios or status:
+            return status
+
+    # The scenarios that start their own processes run after the rig's, which they would disturb.
+    own = tuple(name for name in options.scenarios if name in bench_scale.OWN_PROCESSES)
+    rigged = tuple(name for name in options.scenarios if name not in own)
+    reports: list[Report | bench_scale.ScaleReport] = []
+    try:
+        if rigged:
+            reports.append(run(options))
+        if own:
+            reports.append(run_loop(bench_scale.measure(replace(options, scenarios=own))))
+    except BenchError as exc:
+        print(f"sluice bench: {exc}", file=sys.stderr)
+        return 2
+    text = "\n".join(report.markdown() for report in reports)
+    print(text, end="")
+    if options.write:
+        Path(options.write).write_text(text)
+    return 0 if all(report.errors == 0 for report in reports) else 1
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(prog="sluice bench", description="Gateway overhead against a direct upstream.")
+    add_arguments(cli)
+    sys.exit(main(cli.parse_args()))

@@ -1,0 +1,210 @@
+"""The `core` scenario: the bare gateway (no plugins) against its upstreams, direct vs through.
+
+Per round: streaming TTFT and non-streaming latency at each rate (open loop), then max throughput of
+non-streaming and streaming requests (closed loop); direct and through interleaved cell by cell, their order
+swapped every round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tools.bench_figures import (
+    SATURATED_PERCENT,
+    Check,
+    GapRow,
+    MaxRow,
+    Row,
+    check,
+    gap_row,
+    latency_row,
+    max_row,
+    ms,
+)
+from tools.bench_load import Run, Samples, workload
+from tools.bench_rig import CORE_CONFIG, BenchOptions, Cells, GatewaySpec, Phase, Rig, add, rotated
+
+NAME = "core"
+GATEWAY = GatewaySpec(NAME, CORE_CONFIG)
+TARGET_TTFT_MS = 0.6
+TARGET_RPS = 4000.0
+TARGET_CPU_MS = 0.25
+TARGET_GAP_MS = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Core:
+    ttft: list[Row]
+    gaps: list[GapRow]
+    plain: list[Row]
+    maxima: list[MaxRow]
+    through_requests: int
+    through_with_overhead: int
+    direct_with_overhead: int
+    errors: int
+    phase: Phase
+
+
+async def measure(rig: Rig) -> Core:
+    o = rig.options
+    cells: Cells = {}
+    runs: dict[tuple[str, str], list[Run]] = {}
+    async with rig.phase(NAME) as phase:
+        direct, through = rig.direct(), rig.through(NAME)
+        paced = workload("paced", True, o.tokens)
+        plain = workload("fast", False, o.plain_tokens)
+        flood = workload("fast", True, o.tokens)
+        for number in range(o.rounds):
+            sides = rotated((direct, through), number)
+            for kind, work in (("ttft", paced), ("plain", plain)):
+                for rate in o.rates:
+                    for side in sides:
+                        target = side.paced if work is paced else side.fast
+                        add(cells, kind, rate, side.name, await rig.open_loop(target, work, rate))
+            for mode, work in (("non-stream", plain), ("stream", flood)):
+                for side in sides:
+                    run = await rig.closed_loop(side.fast, work, rig.meters(NAME))
+                    runs.setdefault((mode, side.name), []).append(run)
+    return figures(o, cells, runs, phase)
+
+
+def figures(o: BenchOptions, cells: Cells, runs: dict[tuple[str, str], list[Run]], phase: Phase) -> Core:
+    def pair(kind: str, rate: float) -> tuple[list[Samples], list[Samples]]:
+        return cells[(kind, rate, "direct")], cells[(kind, rate, NAME)]
+
+    def side(name: str) -> list[Samples]:
+        found = [s for (_, _, n), rounds in cells.items() if n == name for s in rounds]
+        return found + [r.samples for (_, n), done in runs.items() if n == name for r in done]
+
+    through, direct = side(NAME), side("direct")
+    return Core(
+        ttft=[latency_row(rate, *pair("ttft", rate)) for rate in o.rates],
+        gaps=[gap_row(rate, *pair("ttft", rate)) for rate in o.rates],
+        plain=[latency_row(rate, *pair("plain", rate)) for rate in o.rates],
+        maxima=[max_row(m, runs[(m, "direct")], runs[(m, NAME)]) for m in ("non-stream", "stream")],
+        through_requests=sum(len(s.latency) for s in through),
+        through_with_overhead=sum(len(s.own) for s in through),
+        direct_with_overhead=sum(len(s.own) for s in direct),
+        errors=sum(s.errors for s in through + direct),
+        phase=phase,
+    )
+
+
+def checks(core: Core) -> list[Check]:
+    found = [
+        check(NAME, f"stream TTFT added, p50 @{row.rate:g} req/s", row.added_p50, TARGET_TTFT_MS, "ms")
+        for row in core.ttft
+        if row.rate in (50.0, 200.0)
+    ]
+    plain = core.maxima[0]
+    worst = max(core.gaps, key=lambda g: g.added_mean)
+    return [
+        *found,
+        check(NAME, "max non-stream req/s, one worker", plain.through_rps, TARGET_RPS, "req/s", at_least=True),
+        check(NAME, "gateway CPU per non-stream request at max", plain.cpu_ms_per_request, TARGET_CPU_MS, "ms"),
+        check(
+            NAME,
+            f"gap between chunks added, mean (worst: @{worst.rate:g} req/s)",
+            worst.added_mean,
+            TARGET_GAP_MS,
+            "ms",
+        ),
+    ]
+
+
+def render(core: Core, o: BenchOptions, peak_rss_mb: float) -> list[str]:
+    rates = " / ".join(f"{r:g}" for r in o.rates)
+    return [
+        "## Core: summary (the peers' columns)",
+        "",
+        f"| system | stream TTFT added, p50 ms @{rates} rps | non-stream added, p50 ms @{rates} rps | "
+        "max req/s non-stream / stream (one core) | CPU ms per request at max, non-stream / stream | peak RSS MB |",
+        "|---|---|---|---|---|---|",
+        summary_direct(core),
+        summary_gateway(core, peak_rss_mb),
+        "",
+        "## Core: streaming TTFT",
+        "",
+        *latency_table(core.ttft),
+        "",
+        "## Core: gaps between streamed token chunks",
+        "",
+        "| rate | direct mean | through mean | added mean | direct p99 | through p99 | added p99 | gaps (through) |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {g.rate:g} | {ms(g.direct_mean, 3)} | {ms(g.through_mean, 3)} | {ms(g.added_mean, 3)} | "
+            f"{ms(g.direct_p99)} | {ms(g.through_p99)} | {ms(g.added_p99)} | {g.count} |"
+            for g in core.gaps
+        ),
+        "",
+        "## Core: non-streaming latency",
+        "",
+        *latency_table(core.plain),
+        "",
+        f"## Core: max throughput (closed loop, {o.concurrency} connections)",
+        "",
+        *max_table(core.maxima),
+    ]
+
+
+def max_table(rows: list[MaxRow]) -> list[str]:
+    return [
+        "| mode | direct req/s | through req/s | gateway CPU % | gateway CPU ms per request "
+        "| gateway's CPU busy, all processes % | load generator + upstreams CPU % | limited by |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {m.mode} | {m.direct_rps:,.0f} | {m.through_rps:,.0f} | {m.gateway_cpu_percent:.0f} | "
+            f"{ms(m.cpu_ms_per_request, 3)} | {m.core_busy_percent:.0f} | {m.harness_cpu_percent:.0f} | "
+            f"{m.limited_by} |"
+            for m in rows
+        ),
+    ]
+
+
+def latency_table(rows: list[Row]) -> list[str]:
+    head = [
+        "| rate | requests per side | direct p50 | through p50 | added p50 | direct p99 | through p99 | added p99 "
+        "| gateway's own view (x-sluice-overhead-ms) p50 / p99 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    return head + [
+        f"| {r.rate:g} | {r.through.count} | {ms(r.direct.p50)} | {ms(r.through.p50)} | {ms(r.added_p50)} | "
+        f"{ms(r.direct.p99)} | {ms(r.through.p99)} | {ms(r.added_p99)} | {ms(r.own.p50)} / {ms(r.own.p99)} |"
+        for r in rows
+    ]
+
+
+def summary_direct(core: Core) -> str:
+    ttft = " / ".join(ms(r.direct.p50) for r in core.ttft)
+    plain = " / ".join(ms(r.direct.p50) for r in core.plain)
+    rps = " / ".join(f"{m.direct_rps:,.0f}" for m in core.maxima)
+    return f"| direct (the limit) | 0 (absolute {ttft}) | 0 (absolute {plain}) | {rps} | - | - |"
+
+
+def summary_gateway(core: Core, peak_rss_mb: float) -> str:
+    ttft = " / ".join(ms(r.added_p50) for r in core.ttft)
+    plain = " / ".join(ms(r.added_p50) for r in core.plain)
+    rps = " / ".join(f"{m.through_rps:,.0f}" for m in core.maxima)
+    cpu = " / ".join(ms(m.cpu_ms_per_request, 3) for m in core.maxima)
+    return f"| sluice, one worker | {ttft} | {plain} | {rps} | {cpu} | {peak_rss_mb:.0f} |"
+
+
+def notes(core: Core) -> list[str]:
+    top = core.ttft[-1]
+    keeps_up = (
+        "sub-millisecond: the load generator keeps up"
+        if top.direct.p50 < 1.0
+        else "NOT sub-millisecond: the load generator or the upstream is slow, so the added figures are unreliable"
+    )
+    found = [
+        f"- Core: through-gateway responses carrying `x-sluice-overhead-ms`: {core.through_with_overhead} of "
+        f"{core.through_requests}; direct responses carrying it: {core.direct_with_overhead}.",
+        f"- Core: load generator check: direct TTFT p50 at {top.rate:g} req/s is {ms(top.direct.p50)} ms ({keeps_up}).",
+    ]
+    for row in core.maxima:
+        if row.gateway_cpu_percent < SATURATED_PERCENT:
+            found.append(
+                f"- Core: {row.mode} max: the gateway used {row.gateway_cpu_percent:.0f} % of a CPU, so it was "
+                f"not saturated ({row.limited_by}); {row.through_rps:,.0f} req/s is a lower bound."
+            )
+    return found

@@ -1,0 +1,138 @@
+"""The house rule: imports between the gateway's rooms point one way, and the core never imports a plugin or a tool.
+
+The rooms, from the top down (docs/architecture.md, "Layout"): a module may import its own room and any room
+below it. Imports made only for annotations (under `if TYPE_CHECKING:`) are not edges: they run nothing.
+Plugins may use the core but never another plugin; the core imports a tool only in `gateway.cli`, inside the
+function of the command that runs it, so that serving never loads one.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Rank of each room: higher may import lower. The spine's contract (settings, context, plugin, errors) sits
+# below every room that uses it; `state` and `wire` (the wire forms) import nothing above them.
+RANKS = {
+    "top": 9,  # app, cli, runtime, config, pipeline
+    "responses": 8,
+    "server": 7,
+    "upstream": 6,
+    "simulation": 5,
+    "telemetry": 4,
+    "contract": 3,  # gateway/__init__, settings, context, plugin, errors
+    "wire": 2,
+    "state": 1,
+}
+TOP = {"app", "cli", "runtime", "config", "pipeline"}
+CONTRACT = {"settings", "context", "plugin", "errors"}
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str  # dotted module name
+    target: str
+    in_function: bool
+    line: int
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "gateway":
+        return parts[0] if parts[0] != "plugins" or len(parts) == 1 else f"plugins.{parts[1]}"
+    if len(parts) == 1 or parts[1] in CONTRACT:
+        return "contract"
+    if parts[1] in TOP:
+        return "top"
+    return parts[1]
+
+
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def edges() -> list[Edge]:
+    found: list[Edge] = []
+    for top in ("gateway", "plugins", "tools"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            source = module_name(path)
+            tree = ast.parse(path.read_text(), str(path))
+            skipped: set[int] = set()
+            in_function: set[int] = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                    skipped.update(id(n) for n in ast.walk(node))
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    in_function.update(id(n) for n in ast.walk(node))
+            for node in ast.walk(tree):
+                if id(node) in skipped:
+                    continue
+                targets: list[str] = []
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    for alias in node.names:
+                        full = f"{node.module}.{alias.name}"
+                        is_module = (ROOT / Path(*full.split("."))).with_suffix(".py").exists()
+                        targets.append(full if is_module else node.module)
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                for target in targets:
+                    if target.split(".")[0] in ("gateway", "plugins", "tools"):
+                        found.append(Edge(source, target, id(node) in in_function, node.lineno))
+    return found
+
+
+def test_the_graph_is_read_at_all() -> None:
+    # A reader that saw nothing would pass every rule below.
+    found = edges()
+    assert len(found) > 200
+    assert any(e.source == "gateway.pipeline" and e.target == "gateway.upstream.attempts" for e in found)
+    assert room("gateway.upstream.providers.http") == "upstream"
+    assert room("gateway.errors") == "contract"
+    assert room("plugins.cache.commands") == "plugins.cache"
+
+
+def test_rooms_of_the_gateway_import_only_downward() -> None:
+    wrong = [
+        f"{e.source}:{e.line} ({room(e.source)}) imports {e.target} ({room(e.target)})"
+        for e in edges()
+        if e.source.startswith("gateway")
+        and e.target.startswith("gateway")
+        and room(e.source) != room(e.target)
+        and RANKS[room(e.source)] < RANKS[room(e.target)]
+    ]
+    assert wrong == []
+
+
+def test_every_room_is_ranked() -> None:
+    rooms = {room(module_name(p)) for p in (ROOT / "gateway").rglob("*.py")}
+    assert rooms == set(RANKS)
+    for folder in (ROOT / "gateway").iterdir():
+        if folder.is_dir() and (folder / "__init__.py").exists():
+            doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+            assert doc, f"{folder.name}/__init__.py says what the room owns and what it may import"
+
+
+def test_the_core_imports_no_plugin_and_a_tool_only_when_its_command_runs() -> None:
+    wrong = []
+    for e in edges():
+        if not e.source.startswith("gateway"):
+            continue
+        if e.target.startswith("plugins"):
+            wrong.append(f"{e.source}:{e.line} imports the plugin {e.target}")
+        if e.target.startswith("tools") and not (e.source == "gateway.cli" and e.in_function):
+            wrong.append(f"{e.source}:{e.line} imports the tool {e.target} at import time")
+    assert wrong == []
+
+
+def test_no_plugin_imports_another_or_a_tool() -> None:
+    wrong = [
+        f"{e.source}:{e.line} imports {e.target}"
+        for e in edges()
+        if e.source.startswith("plugins.")
+        and (e.target.startswith("tools") or (e.target.startswith("plugins.") and room(e.target) != room(e.source)))
+    ]
+    assert wrong == []

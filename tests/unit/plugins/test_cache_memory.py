@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 
-from gateway import request
 from gateway.config import parse
 from gateway.plugin import Outcome, ResponseHead
+from gateway.server import request
 from plugins.cache import ENTRY_OVERHEAD, Cache, Entry
 from plugins.cache.l1 import L1
 from tests.support.plugins import make

@@ -17,7 +17,7 @@ from gateway.context import Exchange
 from gateway.errors import RateLimitError
 from gateway.plugin import Outcome, ResponseHead
 from gateway.settings import ConfigError
-from gateway.store import Store
+from gateway.state.store import Store
 from plugins.rate_limit import (
     PERIOD_MS,
     Lease,

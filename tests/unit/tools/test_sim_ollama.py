@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tools.sim_ollama import keep_alive
+from tools.sim_ollama import keep_alive
 
 
 @pytest.mark.parametrize(

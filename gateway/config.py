@@ -27,15 +27,31 @@ from gateway.plugin import BUILTIN, Configured, Problem, Schema, checks_of, load
 from gateway.settings import ConfigError, ModelSettings, Settings, TenantSettings, references
 
 DEFAULT_PATH = Path("config/gateway.yaml")
+# Where the settings came from when no file was named and none was found.
+QUICKSTART = "<built-in quickstart: no -c, no $SLUICE_CONFIG, no ./config/gateway.yaml>"
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-(.*?))?\}")
+MEANT = re.compile(r"^unknown key \(did you mean `([^`]+)`\?\)$")
+MISSING = "Field required"
 BACKEND_TYPES = ("openai", "azure", "vllm", "tgi", "llamacpp", "ollama", "simulated")
 
+# The same as config/gateway.yaml (a test keeps them so), for a `sluice serve` run outside the checkout.
 QUICKSTART_YAML = """
+listen: {host: 127.0.0.1, port: 8080}
+
 backends:
-  sim: {type: simulated, ttft_ms: 150, tpot_ms: 15}
+  sim: {type: simulated, ttft_ms: 150, tpot_ms: 15, tokens: 16}
+
+pool: {max_connections: 256, keepalive: 64, warm_connections: 4}
+
 models:
-  chat-large: {backend: sim, upstream_model: large, fallback: [chat-small]}
+  chat-large:
+    backend: sim
+    upstream_model: large
+    fallback: [chat-small]
   chat-small: {backend: sim, upstream_model: small}
+  embed-small: {backend: sim, upstream_model: embed}
+
+plugins: []
 """
 
 
@@ -49,7 +65,7 @@ def read(path: str | os.PathLike[str] | None = None) -> tuple[str, str]:
     if path is None:
         path = os.environ.get("SLUICE_CONFIG") or (DEFAULT_PATH if DEFAULT_PATH.exists() else None)
     if path is None:
-        return QUICKSTART_YAML, "<built-in quickstart>"
+        return QUICKSTART_YAML, QUICKSTART
     try:
         return Path(path).read_text(), str(path)
     except OSError as exc:
@@ -60,7 +76,7 @@ def parse(text: str, source: str = "<config>") -> Settings:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {' '.join(str(exc).split())}") from exc
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(exc)}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     problems: list[Problem] = []
@@ -69,6 +85,9 @@ def parse(text: str, source: str = "<config>") -> Settings:
     unset = {path for path, _ in problems}  # a value left empty by a missing variable: say that, not more
     settings = Loader(raw, problems).settings()
     problems[found:] = [problem for problem in problems[found:] if problem[0] not in unset]
+    # `modles:` is one mistake, not two: the required key it was meant to be is not reported missing as well.
+    meant = {_join(path.rpartition(".")[0], m.group(1)) for path, message in problems if (m := MEANT.search(message))}
+    problems[:] = [(path, message) for path, message in problems if not (message == MISSING and path in meant)]
     if problems:
         raise ConfigError(
             *(f"{source}: {path}: {message}" if path else f"{source}: {message}" for path, message in problems)
@@ -249,8 +268,26 @@ class Loader:
             return None
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found, at the file's line and column: its own text names a `<unicode string>` instead."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        context = f" ({exc.context})" if exc.context else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}{context}"
+    return " ".join(str(exc).split())
+
+
 def _problems(exc: ValidationError, prefix: str) -> Iterable[Problem]:
     for error in exc.errors():
+        if error["type"] == "union_tag_invalid":
+            # pydantic's "Input tag 'x' found using 'type' does not match any of the expected tags": say it as
+            # a user would, with the likely intended kind.
+            tag = str((error.get("ctx") or {}).get("tag", ""))
+            yield (
+                _join(prefix, ".".join(str(p) for p in error["loc"])) + ".type",
+                f"unknown backend type {tag!r}{_suggest(tag, BACKEND_TYPES)}; one of: {', '.join(BACKEND_TYPES)}",
+            )
+            continue
         # Discriminated unions put the tag in the location ("backends.x.openai.api_key"): keep the YAML path.
         path = prefix
         for part in error["loc"]:
@@ -277,6 +314,6 @@ def describe(settings: Settings) -> str:
     """The one line `sluice check` prints for a good config."""
     plugins: Sequence[str] = settings.plugins
     return (
-        f"ok: {len(settings.backends)} backend(s), {len(settings.models)} model(s), "
+        f"ok: {settings._source}: {len(settings.backends)} backend(s), {len(settings.models)} model(s), "
         f"{len(settings.tenants)} tenant(s), plugins: {', '.join(plugins) or 'none'}"
     )

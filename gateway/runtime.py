@@ -85,7 +85,7 @@ class Runtime:
     def _summary(self, redis: str) -> None:
         settings = self.settings
         source = settings.source
-        log.info("config: %s", "built-in quickstart" if source == "<built-in quickstart>" else source)
+        log.info("config: %s", source)
         for name, provider in self.upstreams.providers.items():
             backend = settings.backends[name]
             health = provider.health

@@ -38,7 +38,9 @@ def server_timing(timings: list[tuple[str, float]], overhead_ms: float) -> bytes
     """`parse;dur=0.021, upstream;dur=152.304, overhead;dur=0.310` (milliseconds, per the spec)."""
     parts = []
     for stage, ms in [*timings, ("overhead", overhead_ms)]:
-        us = int(ms * 1000.0 + 0.5)
+        # int() rounds toward zero, so a negative duration (a clock step) would print as 0.000: the table
+        # serves only 0 <= ms < 1, everything else takes the format.
+        us = int(ms * 1000.0 + 0.5) if ms >= 0.0 else -1
         parts.append(stage + SUB_MS[us] if 0 <= us < 1000 else f"{stage};dur={ms:.3f}")
     return ", ".join(parts).encode()
 

@@ -323,17 +323,25 @@ def test_pods_run_locked_down(overlay: list[dict[str, Any]]) -> None:
 
 def read_only_root() -> list[str] | None:
     """A wrapper that runs a command with / read-only and a fresh tmpfs on /tmp, as the pod does; None if this
-    machine cannot (it needs root and mount namespaces). The config directory is bound on /srv and this
-    tree on /mnt first, so that neither is hidden by the new /tmp (a checkout may well live under /tmp)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None or not (Path("/srv").is_dir() and Path("/mnt").is_dir()):
+    machine cannot (it needs root and mount namespaces). What the command needs from the old /tmp (a checkout,
+    a virtualenv or the config may well live there) is bound back at its own path: the old /tmp is first bound
+    on /mnt, and each directory named in $KEEP is bound from there into the new /tmp."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or not Path("/mnt").is_dir():
         return None
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         return None
     script = (
-        'mount --bind "$0" /srv && mount --bind "$1" /mnt && shift && mount -o remount,bind,ro / && '
-        'mount -t tmpfs -o size=64m tmpfs /tmp && cd /tmp && exec "$@"'
+        "mount --bind /tmp /mnt && mount -o remount,bind,ro / && mount -t tmpfs -o size=64m tmpfs /tmp && "
+        'for p in $KEEP; do mkdir -p "$p" && mount --bind "/mnt${p#/tmp}" "$p" || exit 1; done && '
+        'cd /tmp && exec "$@"'
     )
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "read-only-root"]
+
+
+def under_tmp(*paths: Path) -> str:
+    """The directories among `paths` that a fresh /tmp would hide, for $KEEP."""
+    tmp = Path("/tmp").resolve()
+    return " ".join(sorted({str(p.resolve()) for p in paths if p.resolve().is_relative_to(tmp)}))
 
 
 @contextmanager
@@ -342,18 +350,17 @@ def pod_process(
 ) -> Iterator[str]:
     """The container's command and args, with loopback instead of 0.0.0.0, a free port and the config there."""
     container = gateway_container(objects)
-    config = str(config_dir / "gateway.yaml") if wrapper is None else "/srv/gateway.yaml"
+    config = str(config_dir / "gateway.yaml")
     port = free_port()
     swap = {"/etc/sluice/gateway.yaml": config, "0.0.0.0": "127.0.0.1", "8080": str(port)}
     args = [swap.get(arg, arg) for arg in container["args"]]
     assert container["command"] == ["sluice"]
     command = [sys.executable, "-m", "gateway.cli", *args, "--log-level", "warning", *extra]
-    code = ROOT
-    if wrapper is not None:
-        command = [*wrapper, str(config_dir), str(ROOT), *command]
-        code = Path("/mnt")  # where the wrapper binds this tree
     # The image's working directory is /tmp; this tree's code comes first on the path wherever it runs.
-    env = {**os.environ, **env, "PYTHONPATH": str(code)}
+    env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    if wrapper is not None:
+        command = [*wrapper, *command]
+        env["KEEP"] = under_tmp(config_dir, ROOT, Path(sys.prefix), Path(sys.base_prefix))
     proc = subprocess.Popen(command, env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:

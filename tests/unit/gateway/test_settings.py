@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from gateway.config import load, parse
+from gateway.config import QUICKSTART, QUICKSTART_YAML, describe, load, parse
 from gateway.settings import ConfigError
 
 BASE = """
@@ -196,7 +198,6 @@ def test_every_problem_at_once_with_suggestions(monkeypatch: pytest.MonkeyPatch)
         "backends.s.api_key: environment variable NOPE_KEY is not set (use ${NOPE_KEY:-default} for a default)",
         "modles: unknown key (did you mean `models`?)",
         "plugin: unknown key (did you mean `plugins`?)",
-        "models: Field required",
     ]
     assert problems(SIM.replace("{backend: s}", "{backend: s, fallbak: [n]}", 1)) == [
         "models.m.fallbak: unknown key (did you mean `fallback`?)"
@@ -219,3 +220,40 @@ def test_a_plugin_from_a_package_owns_its_sections() -> None:
         "greeter: unknown key",  # a plugin from a package is known only once it is listed
         "models.m.greet: unknown key",
     ]
+
+
+def test_the_built_in_quickstart_is_the_shipped_one() -> None:
+    # Outside the checkout `sluice serve` falls back to the built-in copy: it must serve the same models.
+    shipped = parse(Path("config/gateway.yaml").read_text(), "config/gateway.yaml")
+    built_in = parse(QUICKSTART_YAML, QUICKSTART)
+    assert built_in.model_dump() == shipped.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "backends: {sim: {type: simulatd}}\nmodels: {a: {backend: sim}}\n",
+            "mine.yaml: backends.sim.type: unknown backend type 'simulatd' (did you mean `simulated`?); one of: ",
+        ),
+        ("backends: {sim: {type: simulated}}\nmodles: {a: {backend: sim}}\n", None),
+        ("backends:\n  sim: {type: simulated\nmodels: x\n", "mine.yaml: not valid YAML: line 3, column 7: expected"),
+    ],
+)
+def test_config_mistakes_read_as_a_user_would_say_them(text: str, expected: str | None) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse(text, "mine.yaml")
+    lines = raised.value.args
+    if expected is None:  # a misspelt required key is one mistake, not also a missing key
+        assert lines == ("mine.yaml: modles: unknown key (did you mean `models`?)",)
+    else:
+        assert len(lines) == 1
+        assert lines[0].startswith(expected), lines[0]
+        assert "<unicode string>" not in lines[0]
+
+
+def test_check_names_the_file_it_checked(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text("backends: {s: {type: simulated}}\nmodels: {only: {backend: s}}\n")
+    assert describe(parse(path.read_text(), str(path))).startswith(f"ok: {path.resolve()}: 1 backend(s)")
+    assert describe(parse(QUICKSTART_YAML, QUICKSTART)).startswith(f"ok: {QUICKSTART}: ")

@@ -13,9 +13,12 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from gateway import __version__
 from gateway.config import describe, parse, read
 from gateway.plugin import BUILTIN_COMMANDS
 from gateway.settings import ConfigError, Settings
+
+CONFIG_HELP = "YAML config (default: $SLUICE_CONFIG, else ./config/gateway.yaml, else the built-in quickstart)"
 
 
 def _config(path: str | None) -> Settings:
@@ -60,6 +63,7 @@ def serve(args: argparse.Namespace) -> None:
     port = args.port if args.port is not None else settings.listen.port
     listen = Listen(host=args.host or settings.listen.host, port=port)
     settings = settings.model_copy(update={"listen": listen, "log": log})
+    _can_listen(listen.host, listen.port)  # before the start-up summary says "listening on"
     log_config = logs.config(log.level, log.format)
     logging.config.dictConfig(log_config)
     descriptors.log_limit(*descriptors.raise_limit())  # before uvicorn binds and forks: workers inherit it
@@ -102,6 +106,16 @@ def serve(args: argparse.Namespace) -> None:
         uvicorn.run(create_app(settings), **options)  # type: ignore[arg-type]
 
 
+def _can_listen(host: str, port: int) -> None:
+    """Bind and let go, as uvicorn will bind: a port in use is said now, in one line, before anything starts."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it: TIME_WAIT is no conflict
+        probe.bind((host, port))
+
+
 def check(args: argparse.Namespace) -> None:
     print(describe(_config(args.config)))
 
@@ -131,37 +145,41 @@ TOOLS: dict[str, tuple[str, str]] = {
 def parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; a tool's own arguments are added only for `command`, the one being run."""
     root = argparse.ArgumentParser(prog="sluice", description="A latency-first, OpenAI-compatible LLM gateway.")
+    root.add_argument("--version", action="version", version=f"sluice {__version__}")
     commands = root.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("serve", help="run the gateway")
-    p.add_argument("-c", "--config", help="YAML config (default: $SLUICE_CONFIG, else config/gateway.yaml)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("-c", "--config", help=CONFIG_HELP)
+    p.add_argument("--host", help="address to listen on (default: the config's listen.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default: the config's listen.port, 8080)")
+    p.add_argument(
+        "--workers", type=int, default=1, help="worker processes sharing the port (default: 1; about one per core)"
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], help="default: info")
     p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line (default: text)")
     p.add_argument("--access-log", action="store_true", help="one line per request, after it ended")
     p.set_defaults(run=serve)
 
     p = commands.add_parser("check", help="validate a config as `serve` would build it, and exit")
-    p.add_argument("-c", "--config")
+    p.add_argument("-c", "--config", help=CONFIG_HELP)
     p.set_defaults(run=check)
 
     p = commands.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--ttft-ms", type=float, default=150.0)
-    p.add_argument("--tpot-ms", type=float, default=15.0)
-    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--ttft-ms", type=float, default=150.0, help="time to the first token (default: 150)")
+    p.add_argument("--tpot-ms", type=float, default=15.0, help="time per output token after it (default: 15)")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per answer (default: 16)")
     p.add_argument(
         "--stamp-first-token",
         action="store_true",
         help="precede a stream's first token with `: sent SECONDS` (an SSE comment: when it was written, on the "
         "host's monotonic clock), so that a client on this host can measure what lies between",
     )
-    from tools import sim_fleet
+    if command == "sim":  # the stand-ins' arguments come with their module, loaded only for this command
+        from tools import sim_fleet
 
-    sim_fleet.add_arguments(p)
+        sim_fleet.add_arguments(p)
     p.set_defaults(run=sim)
 
     for name, (module, summary) in TOOLS.items():

@@ -314,6 +314,6 @@ def describe(settings: Settings) -> str:
     """The one line `sluice check` prints for a good config."""
     plugins: Sequence[str] = settings.plugins
     return (
-        f"ok: {settings._source}: {len(settings.backends)} backend(s), {len(settings.models)} model(s), "
+        f"ok: {settings.source}: {len(settings.backends)} backend(s), {len(settings.models)} model(s), "
         f"{len(settings.tenants)} tenant(s), plugins: {', '.join(plugins) or 'none'}"
     )

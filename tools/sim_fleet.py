@@ -38,7 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, help="requests running at once (default 8, Ollama 1)")
     p.add_argument("--cache-blocks", type=int, default=defaults.cache_blocks, help="prefix-cache capacity")
     p.add_argument("--block-tokens", type=int, default=defaults.block_tokens, help="tokens per cache block")
-    p.add_argument("--prefill-ms-per-token", type=float, default=defaults.prefill_ms_per_token)
+    p.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        default=defaults.prefill_ms_per_token,
+        help="prefill time per prompt token not in the replica's cache",
+    )
     p.add_argument("--batch-slowdown", type=float, default=defaults.batch_slowdown, help="decode slowdown per peer")
     p.add_argument("--load-ms", type=float, default=defaults.load_ms, help="model load time")
     p.add_argument("--idle-unload-s", type=float, default=defaults.idle_unload_s, help="Ollama's default keep_alive")

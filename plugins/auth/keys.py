@@ -16,7 +16,7 @@ import redis
 import redis.cluster
 
 from gateway.config import load
-from gateway.settings import ConfigError
+from gateway.settings import ConfigError, Settings
 from gateway.state.resp import node_urls
 from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
 
@@ -65,16 +65,33 @@ def add(url: str, tenant: str, hexdigest: str, models: list[str] | None) -> None
     print(f"added sha256:{hexdigest[:8]}... for tenant {tenant}")
 
 
-def revoke(url: str, hexdigest: str) -> None:
+def revoke(url: str, hexdigest: str) -> bool:
+    """True if the key was in Redis and is gone from every process within the auth cache's TTL (sooner by pub/sub)."""
     with client(url) as r:
-        removed = r.hdel(KEYS_HASH, hexdigest)
+        removed = bool(r.hdel(KEYS_HASH, hexdigest))
         r.publish(CHANNEL, hexdigest)
-    print(f"revoked sha256:{hexdigest[:8]}..." if removed else f"sha256:{hexdigest[:8]}... was not in the store")
+    if removed:
+        print(f"revoked sha256:{hexdigest[:8]}...")
+    return removed
+
+
+def config_tenant(settings: Settings, hexdigest: str) -> str | None:
+    """The tenant whose `tenants.NAME.keys` in the config holds this digest, if any."""
+    try:
+        config = settings.plugin_config("auth")
+    except KeyError:
+        return None
+    for tenant, spec in config.tenants.items():
+        if any(key.removeprefix("sha256:").lower() == hexdigest for key in spec.keys):
+            return str(tenant)
+    return None
 
 
 def list_keys(url: str) -> None:
     with client(url) as r:
         entries = r.hgetall(KEYS_HASH)
+    if not entries:
+        print(f"no keys in Redis at {url} (keys in the config's tenants.NAME.keys are not listed here)")
     for field, value in sorted(entries.items()):
         record = orjson.loads(value)
         models = ",".join(record.get("models") or []) or "*"
@@ -83,26 +100,34 @@ def list_keys(url: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["new", "add", "revoke", "list"])
-    parser.add_argument("--tenant")
+    parser.add_argument("--tenant", help="the tenant the key belongs to (new, add: required)")
     parser.add_argument("--key", help="the key itself (add/revoke)")
     parser.add_argument("--hash", help="the key's sha256:... (add/revoke)")
     parser.add_argument("--models", help="comma-separated models the key may use (add; default: all)")
     parser.add_argument("--redis", help="Redis URL (default: redis.url from the config)")
-    parser.add_argument("-c", "--config")
+    parser.add_argument("-c", "--config", help="YAML config, for redis.url and the config's own keys")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.action == "new":
-        new(args.tenant or "default")
+        if not args.tenant:
+            print("sluice keys new: --tenant is required (the tenant the key will belong to)", file=sys.stderr)
+            return 2
+        new(args.tenant)
         return 0
     url = args.redis
-    if url is None:
+    settings = None
+    if url is None or args.action == "revoke":
         try:
-            url = load(args.config).redis.url
+            settings = load(args.config)
         except ConfigError as exc:
-            for line in exc.lines:
-                print(f"sluice keys: config error: {line}", file=sys.stderr)
-            return 2
+            if url is None:
+                for line in exc.lines:
+                    print(f"sluice keys: config error: {line}", file=sys.stderr)
+                return 2
+        if url is None:
+            assert settings is not None
+            url = settings.redis.url
     try:
         if args.action == "list":
             list_keys(url)
@@ -113,8 +138,18 @@ def main(args: argparse.Namespace) -> int:
                 sys.exit("sluice keys add: --tenant is required")
             models = [m for m in args.models.split(",") if m] if args.models else None
             add(url, args.tenant, hexdigest, models)
-        else:
-            revoke(url, hexdigest)
+        elif not revoke(url, hexdigest):
+            tenant = config_tenant(settings, hexdigest) if settings is not None else None
+            if tenant is not None:
+                print(
+                    f"sluice keys revoke: sha256:{hexdigest[:8]}... is a key of tenant {tenant!r} in the config "
+                    f"({settings.source if settings else 'the config'}), not in Redis: remove it from "
+                    f"tenants.{tenant}.keys and restart the gateway; until then it keeps working",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"sluice keys revoke: sha256:{hexdigest[:8]}... is not in Redis at {url}", file=sys.stderr)
+            return 1
     except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
         print(f"sluice keys: Redis at {url} is unavailable: {exc}", file=sys.stderr)
         return 1

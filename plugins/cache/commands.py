@@ -326,16 +326,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     p = actions.add_parser("prefill", help="fill the cache from a JSON Lines file of request bodies")
     p.add_argument("file", help='JSON Lines: one OpenAI request body per line, optionally with a "tenant"')
-    p.add_argument("-c", "--config")
+    p.add_argument("-c", "--config", help="YAML config (default: $SLUICE_CONFIG, else ./config/gateway.yaml)")
     p.add_argument("--tenant", help="the tenant of the lines that do not name one (default: anonymous)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--dry-run", action="store_true", help="print the keys the lines would fill, send nothing")
     p = actions.add_parser("stats", help="entries and bytes in Redis by tenant and model")
-    p.add_argument("-c", "--config")
+    p.add_argument("-c", "--config", help="YAML config (default: $SLUICE_CONFIG, else ./config/gateway.yaml)")
     p = actions.add_parser("purge", help="remove one tenant's entries (of one model) from Redis")
     p.add_argument("--tenant", required=True, help='the tenant ("*" for the entries shared by every tenant)')
     p.add_argument("--model", help="only this model's entries")
-    p.add_argument("-c", "--config")
+    p.add_argument("-c", "--config", help="YAML config (default: $SLUICE_CONFIG, else ./config/gateway.yaml)")
 
 
 def main(args: argparse.Namespace) -> int:

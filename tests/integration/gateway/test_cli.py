@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 
+from gateway.cli import parser
+from plugins.auth.keys import new_key
 from tests.support.gateway import gateway_process
+from tests.support.redis import RedisServer
 
 SIM = "backends: {s: {type: simulated, ttft_ms: 5, tpot_ms: 1, tokens: 4}}\nmodels: {m: {backend: s}}\n"
 
@@ -94,3 +99,71 @@ def test_a_busy_port_is_one_line_not_a_traceback() -> None:
     assert "Traceback" not in result.stderr, result.stderr
     assert f"127.0.0.1:{port}" in lines[0]
     assert "in use" in lines[0]
+
+
+def test_serve_on_a_busy_port_says_so_before_it_says_listening(tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(SIM)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = sluice("serve", "-c", str(path), "--port", str(port))
+    assert result.returncode != 0
+    assert "listening on" not in result.stderr, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert f"cannot listen on 127.0.0.1:{port}" in line
+
+
+def flags(command: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    """A command's options, and those of its own subcommands."""
+    for action in command._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from flags(sub)
+        elif action.option_strings and action.dest != "help":
+            yield action
+
+
+def test_version_and_help_for_every_flag() -> None:
+    from gateway import __version__
+
+    version = sluice("--version")
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"sluice {__version__}"
+    assert sluice("serve", "--help").returncode == 0
+    for command in ("serve", "check", "sim", "keys", "cache", "bench", "probe", "demo"):
+        (sub,) = [a for a in parser(command)._actions if isinstance(a, argparse._SubParsersAction)]
+        options = list(flags(sub.choices[command]))
+        assert options, command
+        bare = [a.option_strings[-1] for a in options if not a.help]
+        assert bare == [], f"sluice {command}: options without help: {bare}"
+
+
+def test_keys_say_what_they_did_or_could_not(tmp_path: Path, redis_server: RedisServer) -> None:
+    refused = sluice("keys", "new")
+    assert refused.returncode == 2
+    assert "--tenant is required" in refused.stderr
+    made = sluice("keys", "new", "--tenant", "acme")
+    assert made.returncode == 0
+    assert "tenant: acme" in made.stdout
+    listed = sluice("keys", "list", "--redis", redis_server.url)
+    assert listed.returncode == 0
+    assert listed.stdout.startswith("no keys in Redis at")
+    key, hashed = new_key()
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        SIM + f"redis: {{url: {redis_server.url}}}\nplugins: [auth]\ntenants: {{acme: {{keys: ['{hashed}']}}}}\n"
+    )
+    revoked = sluice("keys", "revoke", "-c", str(config), "--key", key)
+    assert revoked.returncode == 1
+    assert "is a key of tenant 'acme' in the config" in revoked.stderr
+    assert "remove it from tenants.acme.keys" in revoked.stderr
+    other, _ = new_key()
+    unknown = sluice("keys", "revoke", "--redis", redis_server.url, "--key", other)
+    assert unknown.returncode == 1
+    assert "is not in Redis" in unknown.stderr
+    assert sluice("keys", "add", "--redis", redis_server.url, "--tenant", "acme", "--key", other).returncode == 0
+    gone = sluice("keys", "revoke", "--redis", redis_server.url, "--key", other)
+    assert gone.returncode == 0
+    assert gone.stdout.startswith("revoked sha256:")

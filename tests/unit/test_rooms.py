@@ -69,7 +69,7 @@ def edges() -> list[Edge]:
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     in_function.update(id(n) for n in ast.walk(node))
             for node in ast.walk(tree):
-                if id(node) in skipped:
+                if id(node) in skipped or not isinstance(node, ast.Import | ast.ImportFrom):
                     continue
                 targets: list[str] = []
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

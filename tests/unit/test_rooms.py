@@ -9,6 +9,7 @@ function of the command that runs it, so that serving never loads one.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,34 +56,52 @@ def module_name(path: Path) -> str:
     return name.removesuffix(".__init__")
 
 
-def edges() -> list[Edge]:
+class Imports(ast.NodeVisitor):
+    """One module's imports, each with whether it runs inside a function; `if TYPE_CHECKING:` blocks skipped."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.depth = 0
+        self.found: list[Edge] = []
+
+    def visit_If(self, node: ast.If) -> None:
+        if "TYPE_CHECKING" not in ast.unparse(node.test):
+            self.generic_visit(node)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.add([alias.name for alias in node.names], node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level == 0 and node.module:
+            targets = []
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                is_module = (ROOT / Path(*full.split("."))).with_suffix(".py").exists()
+                targets.append(full if is_module else node.module)
+            self.add(targets, node.lineno)
+
+    def add(self, targets: list[str], line: int) -> None:
+        for target in targets:
+            if target.split(".")[0] in ("gateway", "plugins", "tools"):
+                self.found.append(Edge(self.source, target, self.depth > 0, line))
+
+
+@functools.cache
+def edges() -> tuple[Edge, ...]:
     found: list[Edge] = []
     for top in ("gateway", "plugins", "tools"):
         for path in sorted((ROOT / top).rglob("*.py")):
-            source = module_name(path)
-            tree = ast.parse(path.read_text(), str(path))
-            skipped: set[int] = set()
-            in_function: set[int] = set()
-            for node in ast.walk(tree):
-                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                    skipped.update(id(n) for n in ast.walk(node))
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    in_function.update(id(n) for n in ast.walk(node))
-            for node in ast.walk(tree):
-                if id(node) in skipped or not isinstance(node, ast.Import | ast.ImportFrom):
-                    continue
-                targets: list[str] = []
-                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    for alias in node.names:
-                        full = f"{node.module}.{alias.name}"
-                        is_module = (ROOT / Path(*full.split("."))).with_suffix(".py").exists()
-                        targets.append(full if is_module else node.module)
-                elif isinstance(node, ast.Import):
-                    targets = [alias.name for alias in node.names]
-                for target in targets:
-                    if target.split(".")[0] in ("gateway", "plugins", "tools"):
-                        found.append(Edge(source, target, id(node) in in_function, node.lineno))
-    return found
+            imports = Imports(module_name(path))
+            imports.visit(ast.parse(path.read_text(), str(path)))
+            found += imports.found
+    return tuple(found)
 
 
 def test_the_graph_is_read_at_all() -> None:

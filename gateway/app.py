@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 
 import orjson
@@ -21,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.config import load
+from gateway.pipeline import refusal_line
 from gateway.responses.api import JOB_PREFIX
 from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
@@ -92,7 +94,9 @@ class Gateway:
                 if scope["method"] != "POST":
                     error: errors.GatewayError = errors.MethodNotAllowedError(f"{scope['method']} is not allowed here")
                     error.headers = [(b"allow", b"POST")]
-                    await send_error(send, error, request_id(scope["headers"]))
+                    rid = request_id(scope["headers"])
+                    await send_error(send, error, rid)
+                    self._refused(f"{scope['method']} {path}", error, rid)
                 elif runtime is None:
                     error = errors.ServiceUnavailableError("gateway is starting")
                     await send_error(send, error, request_id(scope["headers"]))
@@ -120,6 +124,12 @@ class Gateway:
         finally:
             self.runtime = None
             await runtime.aclose()
+
+    def _refused(self, what: str, error: errors.GatewayError, rid: str) -> None:
+        """An access line for a request the app refused before the pipeline (a wrong method, an unknown URL)."""
+        runtime = self.runtime
+        if runtime is not None and runtime.pipeline.access is not None:
+            refusal_line(runtime.pipeline.access, what, error, rid, time.perf_counter())
 
     async def healthz(self, _: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
@@ -156,7 +166,9 @@ class Gateway:
             error = errors.NotFoundError("unknown URL", code="unknown_url")
         else:
             error = errors.GatewayError(str(exc.detail), status=exc.status_code, type="invalid_request_error")
-        headers = {**(exc.headers or {}), "x-request-id": request_id(request.scope["headers"])}
+        rid = request_id(request.scope["headers"])
+        headers = {**(exc.headers or {}), "x-request-id": rid}
+        self._refused(f"{request.method} {request.url.path}", error, rid)
         return Response(error.body(), status_code=error.status, headers=headers, media_type="application/json")
 
 

@@ -82,12 +82,13 @@ class Pipeline:
         except request.ClientGone:
             return
         except errors.GatewayError as exc:
-            await self._reject(send, exc, rid)
+            await self._reject(send, exc, rid, endpoint, started)
             return
         ex.mark("parse", started)
         chain = self.chains.get(ex.model)
         if chain is None:
-            await self._reject(send, errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), rid)
+            error = errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model")
+            await self._reject(send, error, rid, endpoint, started, ex.model)
             return
         ex.targets = list(chain)
         if self.upstreams.loading:  # empty unless a self-hosted backend is still loading its model
@@ -96,7 +97,7 @@ class Pipeline:
             try:
                 self.route(ex)
             except errors.GatewayError as exc:
-                await self._reject(send, exc, rid)
+                await self._reject(send, exc, rid, endpoint, started, ex.model)
                 return
         await self.serve(ex, receive, send)
 
@@ -106,10 +107,21 @@ class Pipeline:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         await self._serve(ex, receive, send)
 
-    async def _reject(self, send: Send, error: errors.GatewayError, rid: str) -> None:
+    async def _reject(
+        self,
+        send: Send,
+        error: errors.GatewayError,
+        rid: str,
+        endpoint: str,
+        started: float,
+        model: str | None = None,
+    ) -> None:
+        """A request refused before it was routed (bad JSON, unknown model): answered, counted and logged."""
         if self.telemetry is not None:
             self.telemetry.rejected(error.status)
         await send_error(send, error, rid)
+        if self.access is not None:
+            refusal_line(self.access, endpoint, error, rid, started, model)
 
     async def _serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
         outcome = Outcome(status=0)
@@ -371,6 +383,27 @@ class Pipeline:
                 await hook(ex, outcome)
             except Exception:
                 log.exception("plugin %s: on_complete failed", name)
+
+
+def refusal_line(
+    logger: logging.Logger,
+    what: str,
+    error: errors.GatewayError,
+    rid: str,
+    started: float,
+    model: str | None = None,
+) -> None:
+    """The access line of a request refused before routing: the same fields, those not known left empty."""
+    fields = {
+        "request_id": rid,
+        "tenant": None,
+        "model": model,
+        "status": error.status,
+        "total_ms": round((time.perf_counter() - started) * 1000.0, 3),
+        "rejected_by": "gateway",
+        "error": error.code or error.type,
+    }
+    logger.info("%s %d", what, error.status, extra={"fields": fields})
 
 
 def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:

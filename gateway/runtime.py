@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
+from gateway import __version__
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.responses.api import Responses
@@ -13,6 +15,7 @@ from gateway.server.collector import Collector
 from gateway.settings import Settings
 from gateway.state.resp import parse_url
 from gateway.state.store import Store, StoreUnavailable
+from gateway.telemetry import tracecontext
 from gateway.telemetry.recorder import Telemetry
 from gateway.upstream.attempts import Upstreams
 from gateway.upstream.warmup import Warmup
@@ -22,6 +25,7 @@ log = logging.getLogger("sluice")
 
 class Runtime:
     def __init__(self, settings: Settings) -> None:
+        self.created = time.monotonic()
         self.settings = settings
         self.upstreams = Upstreams(settings)
         # One Redis client per process, shared by every plugin that keeps state across processes.
@@ -67,6 +71,8 @@ class Runtime:
         store = self.store
         return {
             "status": "ready" if self.ready else "starting",
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.created, 1),
             "backends": self.upstreams.report(),
             "redis": {"configured": store is not None, "reachable": None if store is None else not store.down},
             "plugins": list(self.settings.plugins),
@@ -93,13 +99,18 @@ class Runtime:
                 log.info("backend %s (simulated, in-process): up", name)
                 continue
             state = f"down: {health.error}" if health.down else f"{health.state}, {health.warm} warm connection(s)"
-            log.info("backend %s (%s, %s): %s", name, backend.type, backend.base_url, state)
+            where = backend.base_url or ", ".join(backend.endpoints or [])
+            if backend.discovery is not None:
+                found = backend.discovery
+                where = f"DNS {found.dns}:{found.port}, every {found.interval_s:g} s"
+            log.info("backend %s (%s, %s): %s", name, backend.type, where, state)
         for model, chain in self.upstreams.chains.items():
             first = chain[0]
             fallback = ", fallback " + ", ".join(t.model for t in chain[1:]) if len(chain) > 1 else ""
             log.info("model %s -> %s/%s%s", model, first.backend, first.upstream_model, fallback)
         log.info("plugins: %s", ", ".join(settings.plugins) or "none")
         log.info("redis: %s", redis)
+        log.info("tracing: %s", tracecontext.describe(settings.telemetry))
         log.info("listening on http://%s:%d", settings.listen.host, settings.listen.port)
 
     async def aclose(self) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -48,9 +48,15 @@ class MetricFiles:
     """One worker's side: its files, the loop that writes them, and the socket on which others ask for a write."""
 
     def __init__(
-        self, registry: CollectorRegistry, path: str, gauge_modes: Mapping[str, str], pid: int | None = None
+        self,
+        registry: CollectorRegistry,
+        path: str,
+        gauge_modes: Mapping[str, str],
+        pid: int | None = None,
+        before_write: Callable[[], None] | None = None,
     ) -> None:
         self.registry = registry
+        self.before_write = before_write  # values read from elsewhere (the process's own) brought up to date
         self.path = Path(path)
         self.gauge_modes = gauge_modes  # gauge name -> multiprocess mode ("livesum", "livemin", ...)
         self.pid = os.getpid() if pid is None else pid  # another only in tests, to play several workers
@@ -71,6 +77,8 @@ class MetricFiles:
 
     def write(self) -> None:
         """This worker's current values into its files: one pass over its registry."""
+        if self.before_write is not None:
+            self.before_write()
         for family in self.registry.collect():
             kind = family.type
             if kind == "gauge":

@@ -26,13 +26,15 @@ OpenMetrics; the multiprocess files have no place for them.
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from gateway import __version__
 from gateway.telemetry import metric_files
 
 if TYPE_CHECKING:
@@ -122,9 +124,13 @@ class Metrics:
         """`labels`: the request-series labels plugins declared, with the value of a request that set none."""
         self.directory = multiprocess_dir()  # prometheus_client's own multiprocess mode
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.gauge_modes = {"sluice_inflight_requests": "livesum", "sluice_backend_up": "livemin"}
+        self.gauge_modes = {"sluice_inflight_requests": "livesum", "sluice_backend_up": "livemin", **PROCESS_MODES}
         shared = metric_files.directory() if self.directory is None else None
-        self.files = metric_files.MetricFiles(registry, shared, self.gauge_modes) if shared else None
+        self.files = (
+            metric_files.MetricFiles(registry, shared, self.gauge_modes, before_write=self.refresh_process)
+            if shared
+            else None
+        )
         self.exemplars = self.directory is None and self.files is None
         self.extra = dict(labels or {})
         names = (*CORE_LABELS, *self.extra)
@@ -216,6 +222,15 @@ class Metrics:
             ("backend",),
             registry=registry,
         )
+        build = Gauge(
+            "sluice_build_info",
+            "1, labelled with the gateway's version and the Python that runs it.",
+            ("version", "python"),
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
+        build.labels(__version__, platform.python_version()).set(1)
+        self.process = ProcessGauges(registry)
         self.backends = dict(backends or {})
         self.exhausted_seen = {name: 0 for name in self.backends}
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
@@ -297,9 +312,13 @@ class Metrics:
         if self.files is not None:
             await self.files.start()
 
+    def refresh_process(self) -> None:
+        self.process.refresh()
+
     def refresh(self) -> None:
         """The series read at scrape time from elsewhere (Redis failures, backend health): nothing per request."""
         self.sync()
+        self.process.refresh()
         for name, health in self.backends.items():
             self.backend_up.labels(name).set(0 if health.down else 1)
             if health.pool_exhausted != self.exhausted_seen[name]:
@@ -331,6 +350,53 @@ class Metrics:
         if self.directory is not None:
             # This process's gauges (in flight, and the plugins') stop counting; its counters stay in the sums.
             mark_process_dead(os.getpid(), self.directory)
+
+
+# The standard process series (prometheus_client's names), and how several workers' values add up: memory, CPU
+# and descriptors are the gateway's total over its workers, the start time the earliest, the limit the least.
+PROCESS_MODES = {
+    "process_resident_memory_bytes": "livesum",
+    "process_virtual_memory_bytes": "livesum",
+    "process_open_fds": "livesum",
+    "process_max_fds": "livemin",
+    "process_start_time_seconds": "livemin",
+}
+
+
+class ProcessGauges:
+    """The `process_*` series, read from /proc by prometheus_client's own collector at each scrape and write.
+
+    They are copied into series of the gateway's registry, rather than the collector registered there, so that
+    with several workers each worker's values reach the files a scrape sums (the collector's do not).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.reader = ProcessCollector(registry=None)
+        self.gauges = {
+            name: Gauge(name, HELP[name], registry=registry, multiprocess_mode=mode)  # type: ignore[arg-type]
+            for name, mode in PROCESS_MODES.items()
+        }
+        self.cpu = Counter("process_cpu_seconds", "Total user and system CPU time spent in seconds.", registry=registry)
+        self.cpu_seen = 0.0
+
+    def refresh(self) -> None:
+        for family in self.reader.collect():
+            for sample in family.samples:
+                gauge = self.gauges.get(sample.name)
+                if gauge is not None:
+                    gauge.set(sample.value)
+                elif sample.name == "process_cpu_seconds_total" and sample.value > self.cpu_seen:
+                    self.cpu.inc(sample.value - self.cpu_seen)
+                    self.cpu_seen = sample.value
+
+
+HELP = {
+    "process_resident_memory_bytes": "Resident memory size in bytes.",
+    "process_virtual_memory_bytes": "Virtual memory size in bytes.",
+    "process_open_fds": "Number of open file descriptors.",
+    "process_max_fds": "Maximum number of open file descriptors.",
+    "process_start_time_seconds": "Start time of the process since unix epoch in seconds.",
+}
 
 
 class Meter:

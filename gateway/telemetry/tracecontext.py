@@ -28,6 +28,28 @@ def enabled(settings: TelemetrySettings) -> bool:
     return bool(settings.otlp_endpoint or any(os.environ.get(name) for name in ENDPOINT_VARIABLES))
 
 
+def describe(settings: TelemetrySettings) -> str:
+    """The start-up line about tracing: whether it is on, and where spans go, as `enabled` and the exporter decide."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return "off (OTEL_SDK_DISABLED=true)"
+    if not enabled(settings):
+        where = (
+            "telemetry.zipkin_endpoint"
+            if settings.exporter == "zipkin"
+            else ("telemetry.otlp_endpoint, OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        )
+        return f"off (no {where} set)"
+    if settings.exporter == "zipkin":
+        url = settings.zipkin_endpoint
+    else:
+        url = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or ""
+        if not url:
+            base = (settings.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")).rstrip("/")
+            url = base if base.endswith("/v1/traces") else base + "/v1/traces"
+    service = os.environ.get("OTEL_SERVICE_NAME") or settings.service_name
+    return f"{settings.exporter} to {url}, sample ratio {settings.sample_ratio:g}, service {service}"
+
+
 def incoming(headers: list[tuple[bytes, bytes]]) -> re.Match[bytes] | None:
     """The client's `traceparent` if it is one that may be continued: groups 2, 3, 4 are trace, parent, flags."""
     for name, value in headers:

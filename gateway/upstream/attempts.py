@@ -28,7 +28,6 @@ from gateway.upstream.providers.http import HttpProvider
 from gateway.upstream.providers.llamacpp import LlamaCppProvider
 from gateway.upstream.providers.ollama import OllamaProvider
 from gateway.upstream.providers.openai import OpenAIProvider
-from gateway.upstream.providers.selfhosted import SelfHostedProvider
 from gateway.upstream.providers.simulated import SimulatedProvider
 from gateway.upstream.providers.tgi import TGIProvider
 from gateway.upstream.providers.vllm import VLLMProvider
@@ -173,7 +172,7 @@ class Upstreams:
 
     def report(self) -> dict[str, dict[str, object]]:
         return {
-            name: provider.report() if isinstance(provider, SelfHostedProvider) else provider.health.report()
+            name: provider.report() if isinstance(provider, HttpProvider) else provider.health.report()
             for name, provider in self.providers.items()
         }
 

@@ -304,6 +304,21 @@ class Endpoints:
             started = time.perf_counter()
             now = time.monotonic()
 
+    def report(self) -> list[dict[str, object]]:
+        """Each endpoint's state for /status: in service, ejected (and for how long yet) or probing."""
+        now = time.monotonic()
+        return [
+            {
+                "endpoint": endpoint.label,
+                "state": "ejected" if endpoint.ejected_until > now else "probing" if endpoint.probing else "up",
+                "ejected_for_s": round(endpoint.ejected_until - now, 1) if endpoint.ejected_until > now else None,
+                "ejections_in_a_row": endpoint.ejections,
+                "consecutive_failures": endpoint.failures,
+                "in_flight": endpoint.outstanding(),
+            }
+            for endpoint in self.all
+        ]
+
     # -- outlier detection --------------------------------------------------------------------------------
 
     def failed(self, endpoint: Endpoint, reason: str, now: float | None = None) -> None:

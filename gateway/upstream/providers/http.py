@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
@@ -129,6 +129,13 @@ class HttpProvider:
         # A stored response's operations (retrieve, delete, cancel) carry no body of their own.
         body = b"" if ex.resource else self.body(ex, target)
         return await self.endpoints.send(ex, self.route, ex.method, self.path(ex, target), headers, body)
+
+    def report(self) -> dict[str, Any]:
+        """The backend's state for /status; with several endpoints (replicas), each one's too."""
+        report = self.health.report()
+        if len(self.endpoints.urls) > 1 or self.endpoints.discovery is not None:
+            report["endpoints"] = self.endpoints.report()
+        return report
 
     async def aclose(self) -> None:
         await self.endpoints.aclose()

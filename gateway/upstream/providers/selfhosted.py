@@ -69,7 +69,7 @@ class SelfHostedProvider(HttpProvider):
 
     def report(self) -> dict[str, Any]:
         """The connections' report (gateway/upstream/health.py) with the server's own account."""
-        return {**self.health.report(), "state": self.state, "server": self.server, "server_detail": self.detail}
+        return {**super().report(), "state": self.state, "server": self.server, "server_detail": self.detail}
 
     def body(self, ex: Exchange, target: Target) -> bytes:
         if self.one_choice:

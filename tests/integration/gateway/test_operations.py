@@ -311,3 +311,56 @@ models: {{chat: {{backend: sim}}}}
         simulator.wait(10)
         if simulator.stdout is not None:
             simulator.stdout.close()
+
+
+def test_operator_basics_every_refusal_logged_status_and_process_series(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    from gateway import __version__
+
+    dead = free_port()
+    config = f"""
+backends:
+  pair: {{type: vllm, endpoints: ["{upstream.url}/v1", "http://127.0.0.1:{dead}/v1"], timeouts: {{connect_s: 1}}}}
+models: {{chat: {{backend: pair}}}}
+"""
+    args = ("--log-level", "info", "--log-format", "json", "--access-log")
+    with gateway_process(config, tmp_path, *args) as gw:
+        refusals = {
+            "unknown model": httpx.post(
+                f"{gw.base_url}/chat/completions", json={"model": "nope", "messages": MESSAGES}
+            ),
+            "bad JSON": httpx.post(
+                f"{gw.base_url}/chat/completions", content=b"{", headers={"content-type": "application/json"}
+            ),
+            "wrong method": httpx.get(f"{gw.base_url}/chat/completions"),
+            "unknown URL": httpx.get(f"{gw.url}/nowhere"),
+        }
+        assert [r.status_code for r in refusals.values()] == [404, 400, 405, 404]
+        rids = {r.headers["x-request-id"] for r in refusals.values()}
+
+        def access() -> list[dict[str, Any]]:
+            lines = [json.loads(line) for line in gw.log_text().splitlines() if line.startswith("{")]
+            found = [line for line in lines if line["logger"] == "sluice.access" and line["request_id"] in rids]
+            return found if len(found) == len(rids) else []
+
+        lines = wait_until(access, what="an access line for every refusal")
+        assert sorted(line["status"] for line in lines) == [400, 404, 404, 405]
+        assert all(line["rejected_by"] == "gateway" and line["error"] for line in lines)
+        assert any(line["model"] == "nope" for line in lines)
+
+        status = httpx.get(f"{gw.url}/status").json()
+        assert status["version"] == __version__
+        assert status["uptime_s"] >= 0
+        endpoints = status["backends"]["pair"]["endpoints"]
+        assert [e["endpoint"] for e in endpoints] == [upstream.url.removeprefix("http://"), f"127.0.0.1:{dead}"]
+        assert all(e["state"] in {"up", "ejected", "probing"} for e in endpoints)
+
+        scraped = httpx.get(f"{gw.url}/metrics").text
+        (build,) = [line for line in scraped.splitlines() if line.startswith("sluice_build_info{")]
+        assert f'version="{__version__}"' in build
+        for name in ("process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total"):
+            assert any(line.startswith(name + " ") for line in scraped.splitlines()), name
+        messages = [json.loads(line)["message"] for line in gw.log_text().splitlines() if line.startswith("{")]
+    assert any(m.startswith(f"backend pair (vllm, {upstream.url}/v1, http://127.0.0.1:{dead}/v1)") for m in messages)
+    assert any(m.startswith("tracing: off (no telemetry.otlp_endpoint") for m in messages), messages

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -215,3 +216,18 @@ def us(value_ms: float, signed: bool = True) -> str:
     if math.isnan(value_ms):
         return "n/a"
     return f"{value_ms * 1000.0:+.0f}" if signed else f"{value_ms * 1000.0:.0f}"
+
+
+def targets(checks: Iterable[Check]) -> list[str]:
+    """The table of targets every benchmark page opens with."""
+    return [
+        "## Targets",
+        "",
+        "| scenario | figure | target | measured | met |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {c.scenario} | {c.figure} | {c.goal} | {c.value:,.2f} {c.unit} | {'yes' if c.met else '**no**'} |"
+            for c in checks
+        ),
+        "",
+    ]

@@ -17,7 +17,7 @@ from pathlib import Path
 from tools import bench_cache, bench_core, bench_full, bench_tenants, bench_tracing
 from tools.bench_cache import Cache
 from tools.bench_core import Core
-from tools.bench_figures import Check
+from tools.bench_figures import Check, targets
 from tools.bench_fleet import BenchError, bench_file
 from tools.bench_full import Full
 from tools.bench_rig import BenchOptions, Phase
@@ -111,15 +111,7 @@ def render(report: Report) -> str:
         f"- Scenarios: {', '.join(o.scenarios)}",
         f"- Method: {method(o)}",
         "",
-        "## Targets",
-        "",
-        "| scenario | figure | target | measured | met |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {c.scenario} | {c.figure} | {c.goal} | {c.value:,.2f} {c.unit} | {'yes' if c.met else '**no**'} |"
-            for c in report.checks
-        ),
-        "",
+        *targets(report.checks),
         *HOW_TO_READ,
         "",
         *sections(report),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from tools import bench_streams, bench_workers
-from tools.bench_figures import Check
+from tools.bench_figures import Check, targets
 from tools.bench_fleet import machine
 from tools.bench_rig import BenchOptions
 from tools.bench_streams import Streams
@@ -49,15 +49,7 @@ class ScaleReport:
             f"- Machine: {self.machine}",
             "- Placement: unpinned (every process may use every CPU)",
             "",
-            "## Targets",
-            "",
-            "| scenario | figure | target | measured | met |",
-            "|---|---|---|---|---|",
-            *(
-                f"| {c.scenario} | {c.figure} | {c.goal} | {c.value:,.2f} {c.unit} | {'yes' if c.met else '**no**'} |"
-                for c in self.checks
-            ),
-            "",
+            *targets(self.checks),
         ]
         if self.workers is not None:
             lines += [*bench_workers.render(self.workers), ""]

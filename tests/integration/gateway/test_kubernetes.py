@@ -273,7 +273,7 @@ def test_the_config_passes_sluice_check(overlay: list[dict[str, Any]], tmp_path:
         [sys.executable, "-m", "gateway.cli", "check", "-c", str(path)], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("ok: 2 backend(s)")
+    assert done.stdout.startswith(f"ok: {path.resolve()}: 2 backend(s)")
     assert "auth, rate_limit, cache, slo" in done.stdout
 
     # Without the Secret's values the config says which variable is missing: the pod would not start quietly.

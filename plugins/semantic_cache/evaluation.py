@@ -317,6 +317,50 @@ def render(ev: Evaluation, out: TextIO, every: int = 1) -> None:
         )
 
 
+def _point_json(p: Point | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {
+        "threshold": p.threshold,
+        "precision": round(p.precision, 4),
+        "recall": round(p.recall, 4),
+        "false_hit_rate": round(p.false_hit_rate, 4),
+        "true_hits": p.true_hits,
+        "false_hits": p.false_hits,
+    }
+
+
+def as_json(ev: Evaluation) -> dict[str, Any]:
+    """The figures as plain data: the curves, the suggestions and the per-kind table at the suggestion."""
+    at = ev.suggested_guarded or ev.suggested_plain
+    threshold = at.threshold if at is not None else 0.9
+    return {
+        "pairs": len(ev.scored),
+        "positives": ev.plain[0].positives,
+        "negatives": ev.plain[0].negatives,
+        "roc_auc": round(ev.roc_auc, 4),
+        "guard_us_per_pair": round(ev.guard_seconds * 1e6, 1),
+        "target_fhr": ev.target_fhr,
+        "curve": [_point_json(p) for p in ev.plain],
+        "curve_guarded": [_point_json(p) for p in ev.guarded],
+        "suggested": _point_json(ev.suggested_plain),
+        "suggested_guarded": _point_json(ev.suggested_guarded),
+        "kinds_at": threshold,
+        "kinds": [
+            {
+                "kind": r.kind,
+                "same": r.same,
+                "pairs": r.pairs,
+                "median_cosine": round(r.median_cosine, 4),
+                "hit_rate": round(r.hits / r.pairs, 4),
+                "hit_rate_guarded": round(r.guarded_hits / r.pairs, 4),
+                "vetoed": round(r.vetoed / r.pairs, 4),
+            }
+            for r in ev.kinds(threshold)
+        ],
+    }
+
+
 # -- embedding models
 
 
@@ -456,6 +500,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default="", help="a bearer key for --url")
     p.add_argument("--target-fhr", type=float, default=TARGET_FHR, help="false-hit rate to stay within (0.02)")
     p.add_argument("--every", type=int, default=1, help="print every n-th threshold of the curve (default 1)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -484,5 +529,8 @@ def main(args: argparse.Namespace) -> int:
     except EvaluationError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return exc.code
-    render(evaluation, sys.stdout, max(1, args.every))
+    if args.json:
+        sys.stdout.write(orjson.dumps(as_json(evaluation), option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        render(evaluation, sys.stdout, max(1, args.every))
     return 0

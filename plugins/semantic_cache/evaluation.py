@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -72,6 +73,7 @@ class Scored:
     pair: Pair
     cosine: float
     veto: str | None  # the guards' verdict: None, or the kind of difference that vetoes
+    verified: bool | None = None  # the verifier's verdict, for the pairs it was asked about
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,9 @@ class Evaluation:
     suggested_guarded: Point | None
     roc_auc: float  # of the cosine alone: the chance a random should-hit pair scores above a must-not pair
     guard_seconds: float  # the guards' time per pair (both prompts profiled, then compared)
+    verified: tuple[Point, ...] = ()  # guards, then the verifier on what they let through (when one was asked)
+    verifier_seconds: tuple[float, ...] = ()  # each verifier call's time
+    verifier_deadline_s: float = 0.0
 
     def kinds(self, threshold: float) -> list[KindRow]:
         return kind_table(self.scored, threshold)
@@ -177,7 +182,7 @@ def cosine(u: Sequence[float], v: Sequence[float]) -> float:
     return dot / norm if norm else 0.0
 
 
-def score(pairs: Sequence[Pair], embed: Embed) -> tuple[list[Scored], float]:
+def score(pairs: Sequence[Pair], embed: Embed, strict: bool = True) -> tuple[list[Scored], float]:
     """Each pair's cosine (each distinct text embedded once) and guard verdict; and the guards' time per pair."""
     texts = list(dict.fromkeys(t for p in pairs for t in (p.a, p.b)))
     vectors: dict[str, Sequence[float]] = {}
@@ -188,16 +193,16 @@ def score(pairs: Sequence[Pair], embed: Embed) -> tuple[list[Scored], float]:
             raise EvaluationError(f"the embedding model returned {len(got)} vectors for {len(batch)} texts", 1)
         vectors.update(zip(batch, got, strict=True))
     started = time.perf_counter()
-    verdicts = [compare(profile(p.a), profile(p.b)) for p in pairs]
+    verdicts = [compare(profile(p.a), profile(p.b), strict) for p in pairs]
     guard_seconds = (time.perf_counter() - started) / len(pairs)
     scored = [Scored(p, cosine(vectors[p.a], vectors[p.b]), v) for p, v in zip(pairs, verdicts, strict=True)]
     return scored, guard_seconds
 
 
-def point(scored: Sequence[Scored], threshold: float, guarded: bool) -> Point:
+def point(scored: Sequence[Scored], threshold: float, guarded: bool, verified: bool = False) -> Point:
     true_hits = false_hits = 0
     for s in scored:
-        if s.cosine >= threshold and not (guarded and s.veto):
+        if s.cosine >= threshold and not (guarded and s.veto) and not (verified and s.verified is not True):
             if s.pair.same:
                 true_hits += 1
             else:
@@ -255,9 +260,14 @@ def kind_table(scored: Sequence[Scored], threshold: float) -> list[KindRow]:
 
 
 def evaluate(
-    pairs: Sequence[Pair], embed: Embed, target_fhr: float = TARGET_FHR, thresholds: Sequence[float] = THRESHOLDS
+    pairs: Sequence[Pair],
+    embed: Embed,
+    target_fhr: float = TARGET_FHR,
+    thresholds: Sequence[float] = THRESHOLDS,
+    strict: bool = True,
 ) -> Evaluation:
-    scored, guard_seconds = score(pairs, embed)
+    """Score the pairs (guards in strict mode unless told) and compute the curves and the suggestions."""
+    scored, guard_seconds = score(pairs, embed, strict)
     plain = tuple(point(scored, t, guarded=False) for t in thresholds)
     guarded = tuple(point(scored, t, guarded=True) for t in thresholds)
     return Evaluation(
@@ -272,7 +282,33 @@ def evaluate(
     )
 
 
+Verifier = Callable[[str, str], Awaitable[bool]]
+
+
+async def with_verifier(ev: Evaluation, verifier: Verifier, deadline_s: float = 0.0) -> Evaluation:
+    """`ev` plus the verifier's verdict on each pair the guards let through at the lowest threshold, asked one
+    call at a time (so that each call's time is its own, as on a request path), and the curve it gives."""
+    scored: list[Scored] = []
+    took: list[float] = []
+    floor = ev.plain[0].threshold
+    for s in ev.scored:
+        if s.veto is None and s.cosine >= floor:
+            started = time.perf_counter()
+            verdict = await verifier(s.pair.a, s.pair.b)
+            took.append(time.perf_counter() - started)
+            s = dataclasses.replace(s, verified=verdict)
+        scored.append(s)
+    verified = tuple(point(scored, p.threshold, guarded=True, verified=True) for p in ev.plain)
+    return dataclasses.replace(
+        ev, scored=tuple(scored), verified=verified, verifier_seconds=tuple(took), verifier_deadline_s=deadline_s
+    )
+
+
 # -- the report
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _pct(x: float) -> str:
@@ -304,6 +340,20 @@ def render(ev: Evaluation, out: TextIO, every: int = 1) -> None:
                 f"{_pct(suggestion.false_hit_rate)}, recall {_pct(suggestion.recall)}, precision "
                 f"{_pct(suggestion.precision)}; target {_pct(ev.target_fhr)}).\n"
             )
+    if ev.verified:
+        took = sorted(ev.verifier_seconds)
+        late = sum(t >= ev.verifier_deadline_s for t in took) if ev.verifier_deadline_s else 0
+        out.write(f"\nWith the verifier ({len(took)} calls, one at a time")
+        if took:
+            out.write(
+                f"; each took p50 {1000 * _quantile(took, 0.5):.1f} ms, p95 {1000 * _quantile(took, 0.95):.1f} ms, "
+                f"max {1000 * took[-1]:.1f} ms; {late} reached the deadline of {1000 * ev.verifier_deadline_s:.0f} ms"
+            )
+        out.write("):\n\n| threshold | precision | recall | false hits |\n|---|---|---|---|\n")
+        for i, v in enumerate(ev.verified):
+            if i % every and i != len(ev.verified) - 1:
+                continue
+            out.write(f"| {v.threshold:.2f} | {_pct(v.precision)} | {_pct(v.recall)} | {_pct(v.false_hit_rate)} |\n")
     at = ev.suggested_guarded or ev.suggested_plain
     threshold = at.threshold if at is not None else 0.9
     out.write(f"\nBy kind, at threshold {threshold:.2f}:\n\n")
@@ -345,6 +395,8 @@ def as_json(ev: Evaluation) -> dict[str, Any]:
         "curve_guarded": [_point_json(p) for p in ev.guarded],
         "suggested": _point_json(ev.suggested_plain),
         "suggested_guarded": _point_json(ev.suggested_guarded),
+        "curve_verified": [_point_json(p) for p in ev.verified],
+        "verifier_ms": sorted(round(1000 * t, 2) for t in ev.verifier_seconds),
         "kinds_at": threshold,
         "kinds": [
             {
@@ -500,7 +552,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default="", help="a bearer key for --url")
     p.add_argument("--target-fhr", type=float, default=TARGET_FHR, help="false-hit rate to stay within (0.02)")
     p.add_argument("--every", type=int, default=1, help="print every n-th threshold of the curve (default 1)")
+    p.add_argument("--lenient", action="store_true", help="guards without the one-word substitution rule")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
+    p.add_argument("--verifier-url", help="also ask this OpenAI-compatible chat endpoint whether pairs match")
+    p.add_argument("--verifier-model", default="default", help="the verifier's model name")
+    p.add_argument("--verifier-deadline-ms", type=float, default=500.0, help="each verifier call's bound (500)")
+
+
+async def _verified(args: argparse.Namespace, ev: Evaluation) -> Evaluation:
+    deadline_s = args.verifier_deadline_ms / 1000
+    async with httpx.AsyncClient() as client:
+
+        async def ask(a: str, b: str) -> bool:
+            return await verify(client, args.verifier_url, args.verifier_model, a, b, deadline_s, args.api_key)
+
+        return await with_verifier(ev, ask, deadline_s)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -523,9 +589,11 @@ def main(args: argparse.Namespace) -> int:
                 raise EvaluationError("; ".join(f"config error: {line}" for line in exc.lines)) from None
             embed, close = config_embedder(settings, args.model)
         try:
-            evaluation = evaluate(pairs, embed, args.target_fhr)
+            evaluation = evaluate(pairs, embed, args.target_fhr, strict=not args.lenient)
         finally:
             close()
+        if args.verifier_url:
+            evaluation = asyncio.run(_verified(args, evaluation))
     except EvaluationError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return exc.code

@@ -24,8 +24,12 @@ What separates them is *what differs* between the two prompts. The rule:
      "descending", "import" / "export", ...) or the same words swapped across a direction marker
      ("X to Y" / "Y to X", "A than B" / "B than A", "X before Y" / "Y before X"); a mere reordering that does
      not carry a word across such a marker ("in Python, how do I ..." / "how do I ... in Python") is not;
-   - "scope": a quantifier or scope word on one side only ("all", "every", "only", "each", "first", "total",
-     "average", "recursively", "daily", ...).
+   - "scope": a scope word on one side only ("all", "every", "only", "total", "average", "recursively",
+     "daily" = "each day", ...), or different quantifiers on the two sides ("most cats" / "any cats");
+   - "substitution" (strict mode, the default): the same request with exactly one content word swapped for
+     another ("sugar" / "flour", "dogs" / "cats", "car loan" / "student loan"). Look-alikes are mostly made so,
+     and true paraphrases seldom differ by one content word alone; the rule costs the recall of those that do
+     ("What causes thunder?" / "Why does thunder happen?"), which `strict=False` gives back.
    Any other difference (synonyms, fillers, word order, question words) is left to the similarity threshold.
 
 Cost: no model and no I/O. A profile is two regular-expression passes and a loop over the words: measured at
@@ -81,7 +85,8 @@ OPPOSITES = tuple(
         easier/harder strongest/weakest positive/negative maximize/minimize include/exclude accept/reject
         allow/deny allow/block lock/unlock mount/unmount install/uninstall connect/disconnect login/logout
         sunrise/sunset arrival/departure arrive/leave send/receive lend/borrow asleep/awake import/export
-        inhale/exhale expand/collapse shrink/grow"""
+        inhale/exhale expand/collapse shrink/grow on/off male/female man/woman men/women boy/girl
+        boiling/freezing"""
     )
 )
 SCOPE_WORDS = frozenset(
@@ -100,6 +105,7 @@ QUANTIFIERS = frozenset(_words("all every each most some any none few many sever
 PERIODS = {"day": "daily", "week": "weekly", "month": "monthly", "year": "yearly", "hour": "hourly", "night": "nightly"}
 # Direction markers: a word moved from one side of one to the other reverses the request.
 ORDER_MARKERS = frozenset(_words("to into from than before after over onto towards toward"))
+ORDER_TAGS = frozenset(f"<{m}>" for m in ORDER_MARKERS)  # how a marker stands in a profile's content
 
 NUMBER_WORDS = {
     w: i
@@ -619,8 +625,18 @@ def _marker_sides(p: Profile, window: int) -> dict[str, list[tuple[frozenset[str
     return sides
 
 
-def compare(a: Profile, b: Profile) -> str | None:
-    """The first kind in which two profiles differ (see the module's docstring), or None when nothing vetoes."""
+def _substituted(a: Profile, b: Profile) -> bool:
+    """Whether the prompts are one request with one content word swapped for another ("sugar" / "flour")."""
+    only_a = {w for w in a.content if w[0] != "<"} - set(b.content)
+    only_b = {w for w in b.content if w[0] != "<"} - set(a.content)
+    return len(only_a) == 1 and len(only_b) == 1 and bool(set(a.content) & set(b.content) - set(ORDER_TAGS))
+
+
+def compare(a: Profile, b: Profile, strict: bool = True) -> str | None:
+    """The first kind in which two profiles differ (see the module's docstring), or None when nothing vetoes.
+
+    `strict` adds the last rule, "substitution"; without it only the named kinds veto.
+    """
     if _quoted_missing(a, b) or _quoted_missing(b, a):
         return "quoted"
     if _code_missing(a, b) or _code_missing(b, a):
@@ -645,9 +661,11 @@ def compare(a: Profile, b: Profile) -> str | None:
         return "order"
     if a.scope != b.scope or (a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers):
         return "scope"
+    if strict and _substituted(a, b):
+        return "substitution"
     return None
 
 
-def veto(query: str, cached: str) -> str | None:
+def veto(query: str, cached: str, strict: bool = True) -> str | None:
     """None when nothing vetoes matching `query` to the entry stored for `cached`, else the kind of difference."""
-    return compare(profile(query), profile(cached))
+    return compare(profile(query), profile(cached), strict)

@@ -32,7 +32,7 @@ ANGLES = {
     "p2": math.degrees(math.acos(0.85)),  # paraphrase at 0.85
     "p3": math.degrees(math.acos(0.75)),  # paraphrase at 0.75
     "n1": math.degrees(math.acos(0.97)),  # negative at 0.97, which the guards veto (a number differs)
-    "n2": math.degrees(math.acos(0.80)),  # negative at 0.80, which no guard vetoes
+    "n2": math.degrees(math.acos(0.80)),  # negative at 0.80, which only the strict guards veto (a substitution)
 }
 TEXTS = {
     "x": "How do I boil 2 eggs?",
@@ -57,7 +57,7 @@ def embed(texts: Sequence[str]) -> list[list[float]]:
 
 
 def test_curves_count_hits_with_and_without_guards() -> None:
-    ev = evaluate(PAIRS, embed, thresholds=[0.70, 0.80, 0.90, 0.96, 0.99])
+    ev = evaluate(PAIRS, embed, thresholds=[0.70, 0.80, 0.90, 0.96, 0.99], strict=False)
     plain = {p.threshold: p for p in ev.plain}
     guarded = {p.threshold: p for p in ev.guarded}
     assert (plain[0.70].true_hits, plain[0.70].false_hits) == (3, 2)
@@ -72,12 +72,18 @@ def test_curves_count_hits_with_and_without_guards() -> None:
 
 
 def test_the_suggestion_is_the_best_recall_within_the_target() -> None:
-    ev = evaluate(PAIRS, embed, target_fhr=0.0, thresholds=[0.70, 0.80, 0.81, 0.90, 0.99])
+    ev = evaluate(PAIRS, embed, target_fhr=0.0, thresholds=[0.70, 0.80, 0.81, 0.90, 0.99], strict=False)
     assert ev.suggested_guarded is not None
     assert ev.suggested_guarded.threshold == 0.81  # the lowest threshold above n2 with recall 2/3
     assert ev.suggested_plain is None  # n1 at 0.97 is above every paraphrase: no threshold keeps it out
     assert suggest(ev.guarded, target_fhr=0.5) is not None
     assert suggest(ev.guarded, target_fhr=0.5).threshold == 0.70  # type: ignore[union-attr]
+
+
+def test_strict_guards_also_veto_a_one_word_substitution() -> None:
+    ev = evaluate(PAIRS, embed, thresholds=[0.70])
+    assert [s.veto for s in ev.scored] == [None, None, None, "number", "substitution"]
+    assert ev.guarded[0].false_hits == 0
 
 
 def test_roc_auc_of_the_cosine() -> None:
@@ -88,7 +94,7 @@ def test_roc_auc_of_the_cosine() -> None:
 
 def test_the_report_has_the_curve_the_suggestion_and_the_kinds() -> None:
     out = io.StringIO()
-    render(evaluate(PAIRS, embed), out, every=10)
+    render(evaluate(PAIRS, embed, strict=False), out, every=10)
     text = out.getvalue()
     assert "| 0.70 |" in text
     assert "| 0.80 |" in text

@@ -53,7 +53,6 @@ HARMLESS = [
     ("Convert 5 km to miles", "convert five kilometres to miles"),
     ("Is 17 a prime number?", "Is seventeen prime?"),
     ("Why doesn't my code compile?", "Why is my code not compiling?"),
-    ("What's the flight time from London to Paris?", "How long is the flight to Paris from London?"),
     ("Hotels in NYC", "hotels in New York City"),
     ('What does "carpe diem" mean?', "What is the meaning of carpe diem?"),
     ("Best Way To Cook Rice", "what is the best way to cook rice"),
@@ -75,6 +74,26 @@ def test_a_difference_that_changes_the_answer_vetoes(kind: str, a: str, b: str) 
 def test_harmless_differences_do_not_veto(a: str, b: str) -> None:
     assert veto(a, b) is None
     assert veto(b, a) is None
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [
+        ("How many tablespoons of sugar in a cup?", "How many tablespoons of flour in a cup?"),
+        ("Can dogs eat grapes?", "Can cats eat grapes?"),
+        ("How do I pay off a car loan faster?", "How do I pay off a student loan faster?"),
+    ],
+)
+def test_strict_guards_veto_a_one_word_substitution(a: str, b: str) -> None:
+    assert veto(a, b) == "substitution"
+    assert veto(a, b, strict=False) is None
+
+
+def test_a_synonym_swapped_alone_is_the_price_of_strict_mode() -> None:
+    # One content word changed, the rest kept: strict mode cannot tell a synonym from a look-alike.
+    a, b = "What's the flight time from London to Paris?", "How long is the flight to Paris from London?"
+    assert veto(a, b) == "substitution"
+    assert veto(a, b, strict=False) is None
 
 
 def test_a_prompt_never_vetoes_itself() -> None:

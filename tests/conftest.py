@@ -93,3 +93,10 @@ def embedder(embedding_model: MiniLM) -> Iterator[EmbeddingServer]:
     """A real `/v1/embeddings` server for one test, on a free port; its knobs (`delay_s`, `dead`) start off."""
     with EmbeddingServer(embedding_model) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def shared_embedder(embedding_model: MiniLM) -> Iterator[EmbeddingServer]:
+    """One embedding server for the tests that only read from it (never turn its knobs: `embedder` has its own)."""
+    with EmbeddingServer(embedding_model) as server:
+        yield server

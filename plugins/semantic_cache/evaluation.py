@@ -413,6 +413,22 @@ def as_json(ev: Evaluation) -> dict[str, Any]:
     }
 
 
+def explain(ev: Evaluation, out: TextIO, threshold: float | None = None) -> None:
+    """The pairs behind the figures at a threshold (the guarded suggestion by default): the false hits left, and
+    the pairs that should hit and that the guards refused, with the kind of difference they saw."""
+    if threshold is None:
+        at = ev.suggested_guarded or ev.suggested_plain
+        threshold = at.threshold if at is not None else 0.9
+    wrong = [s for s in ev.scored if not s.pair.same and s.cosine >= threshold and s.veto is None]
+    refused = [s for s in ev.scored if s.pair.same and s.cosine >= threshold and s.veto is not None]
+    out.write(f"\nFalse hits with guards at {threshold:.2f} ({len(wrong)}):\n")
+    for s in sorted(wrong, key=lambda s: -s.cosine):
+        out.write(f"- {s.cosine:.3f} [{s.pair.kind}] {s.pair.a!r} / {s.pair.b!r}\n")
+    out.write(f"\nPairs that should hit, refused by the guards at {threshold:.2f} ({len(refused)}):\n")
+    for s in sorted(refused, key=lambda s: -s.cosine):
+        out.write(f"- {s.cosine:.3f} [{s.veto}] {s.pair.a!r} / {s.pair.b!r}\n")
+
+
 # -- embedding models
 
 
@@ -552,6 +568,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default="", help="a bearer key for --url")
     p.add_argument("--target-fhr", type=float, default=TARGET_FHR, help="false-hit rate to stay within (0.02)")
     p.add_argument("--every", type=int, default=1, help="print every n-th threshold of the curve (default 1)")
+    p.add_argument("--explain", action="store_true", help="also list the false hits and the refused paraphrases")
     p.add_argument("--lenient", action="store_true", help="guards without the one-word substitution rule")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     p.add_argument("--verifier-url", help="also ask this OpenAI-compatible chat endpoint whether pairs match")
@@ -601,4 +618,6 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(orjson.dumps(as_json(evaluation), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
         render(evaluation, sys.stdout, max(1, args.every))
+        if args.explain:
+            explain(evaluation, sys.stdout)
     return 0

@@ -13,6 +13,7 @@ from plugins.semantic_cache.evaluation import (
     EvaluationError,
     Pair,
     evaluate,
+    explain,
     load_pairs,
     parse_pairs,
     render,
@@ -102,6 +103,15 @@ def test_the_report_has_the_curve_the_suggestion_and_the_kinds() -> None:
     assert "| 0.75 |" not in text
     assert "Suggested threshold with guards: 0.81" in text
     assert "| number | no | 1 |" in text
+
+
+def test_explain_lists_the_pairs_behind_the_figures() -> None:
+    out = io.StringIO()
+    explain(evaluate(PAIRS, embed, strict=False), out, threshold=0.70)
+    text = out.getvalue()
+    assert "False hits with guards at 0.70 (1):" in text
+    assert "0.800 [verb] 'How do I boil 2 eggs?' / 'How do I poach 2 eggs?'" in text
+    assert "refused by the guards at 0.70 (0):" in text
 
 
 @pytest.mark.parametrize(

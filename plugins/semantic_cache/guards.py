@@ -352,6 +352,9 @@ class Token:
     clause: int  # index of the sentence it is in
 
 
+Sides = dict[str, tuple[tuple[frozenset[str], frozenset[str]], ...]]
+
+
 @dataclass(frozen=True)
 class Profile:
     """What one prompt holds, for comparisons: computed once per prompt."""
@@ -359,6 +362,7 @@ class Profile:
     text: str  # lower case, words separated by single spaces (for "does the other contain this phrase")
     content: tuple[str, ...]  # content word stems in order (stop and filler words out), with order markers kept
     clauses: tuple[int, ...]  # the clause of each content entry
+    sides: Sides  # each direction marker's neighbours: (words before it, words after it), per occurrence
     stems: frozenset[str]  # every word's stem, stop words included
     quoted: tuple[str, ...]
     code: frozenset[str]
@@ -549,6 +553,7 @@ def profile(text: str) -> Profile:
         text=f" {_normal_text(text)} ",
         content=tuple(content),
         clauses=tuple(clauses),
+        sides=_marker_sides(content, clauses),
         stems=frozenset(stem(w) for w in words),
         quoted=tuple(q for q in quoted if q),
         code=code,
@@ -601,12 +606,10 @@ def _opposed(a: Profile, b: Profile) -> bool:
     return any(_OPPOSITE_STEMS.get(w, set()) & only_b for w in only_a)
 
 
-def _swapped(a: Profile, b: Profile, window: int = 4) -> bool:
+def _swapped(a: Profile, b: Profile) -> bool:
     """Whether some word sits before a direction marker in one prompt and after it in the other, and vice versa."""
-    sides_a = _marker_sides(a, window)
-    sides_b = _marker_sides(b, window)
-    for marker, occurrences in sides_a.items():
-        for (left_a, right_a), (left_b, right_b) in zip(occurrences, sides_b.get(marker, ()), strict=False):
+    for marker, occurrences in a.sides.items():
+        for (left_a, right_a), (left_b, right_b) in zip(occurrences, b.sides.get(marker, ()), strict=False):
             crossed_left = (left_a & right_b) - right_a - left_b
             crossed_right = (right_a & left_b) - left_a - right_b
             if crossed_left and crossed_right:
@@ -614,16 +617,17 @@ def _swapped(a: Profile, b: Profile, window: int = 4) -> bool:
     return False
 
 
-def _marker_sides(p: Profile, window: int) -> dict[str, list[tuple[frozenset[str], frozenset[str]]]]:
+def _marker_sides(content: list[str], clauses: list[int], window: int = 4) -> Sides:
+    """For each direction marker, in order: the content words just before it and just after it, in its clause."""
     sides: dict[str, list[tuple[frozenset[str], frozenset[str]]]] = {}
-    for i, word in enumerate(p.content):
+    for i, word in enumerate(content):
         if not word.startswith("<"):
             continue
-        clause = p.clauses[i]
-        left = [w for w, c in zip(p.content[:i], p.clauses[:i], strict=True) if c == clause and w[0] != "<"]
-        right = [w for w, c in zip(p.content[i + 1 :], p.clauses[i + 1 :], strict=True) if c == clause and w[0] != "<"]
+        clause = clauses[i]
+        left = [w for w, c in zip(content[:i], clauses[:i], strict=True) if c == clause and w[0] != "<"]
+        right = [w for w, c in zip(content[i + 1 :], clauses[i + 1 :], strict=True) if c == clause and w[0] != "<"]
         sides.setdefault(word, []).append((frozenset(left[-window:]), frozenset(right[:window])))
-    return sides
+    return {marker: tuple(found) for marker, found in sides.items()}
 
 
 def _substituted(a: Profile, b: Profile) -> bool:

@@ -33,8 +33,8 @@ What separates them is *what differs* between the two prompts. The rule:
    Any other difference (synonyms, fillers, word order, question words) is left to the similarity threshold.
 
 Cost: no model and no I/O. A profile is two regular-expression passes and a loop over the words; a comparison
-of two profiles is a handful of set operations. Measured on a shared 2-core machine: 130-420 µs for a pair of
-one-sentence prompts, both profiled, of which the comparison is 6-45 µs (the spread is the machine's load).
+of two profiles is a handful of set operations. Measured on a shared 2-core machine: 130-560 µs for a pair of
+one-sentence prompts, both profiled, of which the comparison is about 6 µs (the spread is the machine's load).
 A store can keep each entry's profile beside its vector, so that a lookup profiles only the query, once,
 whatever the number of candidates.
 """

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from gateway import __version__
 from gateway.config import describe, parse, read
-from gateway.plugin import BUILTIN_COMMANDS
+from gateway.plugin import BUILTIN_COMMANDS, COMMAND_ALIASES
 from gateway.settings import ConfigError, Settings
 
 CONFIG_HELP = "YAML config (default: $SLUICE_CONFIG, else ./config/gateway.yaml, else the built-in quickstart)"
@@ -193,7 +193,10 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     words = list(sys.argv[1:] if argv is None else argv)
-    command = next((word for word in words if not word.startswith("-")), None)
+    at = next((i for i, word in enumerate(words) if not word.startswith("-")), None)
+    command = words[at] if at is not None else None
+    if at is not None and at + 1 < len(words) and (command, words[at + 1]) in COMMAND_ALIASES:
+        command = words[at] = COMMAND_ALIASES[(words[at], words[at + 1])]
     args = parser(command).parse_args(words)
     try:
         args.run(args)

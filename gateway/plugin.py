@@ -55,8 +55,16 @@ BUILTIN = {
 # add_arguments(parser) and main(args) -> exit code, imported only when its command runs.
 BUILTIN_COMMANDS = {
     "keys": ("plugins.auth.keys", "make gateway keys; add, revoke and list them in Redis"),
-    "cache": ("plugins.cache.commands", "prefill the cache from a file of requests; its stats; purge a tenant"),
+    "cache": (
+        "plugins.cache.commands",
+        "prefill the cache from a file of requests; its stats; purge a tenant; evaluate (see `sluice semantic`)",
+    ),
+    "semantic": ("plugins.semantic_cache.evaluation", "measure the semantic cache's false hits on labelled pairs"),
 }
+# An action offered under another command, where users look for it: (command, action) -> the command that owns
+# it. `sluice cache evaluate` measures the semantic cache: the semantic_cache plugin owns it (`sluice semantic
+# evaluate`), and the cache plugin neither knows of it nor imports it.
+COMMAND_ALIASES = {("cache", "evaluate"): "semantic"}
 
 Tap = Callable[[bytes], None]
 Problem = tuple[str, str]  # (YAML path, what is wrong there)

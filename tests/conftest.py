@@ -10,6 +10,7 @@ import openai
 import pytest
 import redis
 
+from tests.support.embedder import EmbeddingServer, MiniLM
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.redis import INSTALL, SERVERS, RedisCluster, RedisServer
 
@@ -76,3 +77,26 @@ def close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     for client in made:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def embedding_model() -> MiniLM:
+    """all-MiniLM-L6-v2 in numpy, loaded once per run (it takes about a second)."""
+    try:
+        return MiniLM()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture()
+def embedder(embedding_model: MiniLM) -> Iterator[EmbeddingServer]:
+    """A real `/v1/embeddings` server for one test, on a free port; its knobs (`delay_s`, `dead`) start off."""
+    with EmbeddingServer(embedding_model) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def shared_embedder(embedding_model: MiniLM) -> Iterator[EmbeddingServer]:
+    """One embedding server for the tests that only read from it (never turn its knobs: `embedder` has its own)."""
+    with EmbeddingServer(embedding_model) as server:
+        yield server

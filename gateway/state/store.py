@@ -5,6 +5,11 @@ tried once, and after a failure the breaker stays open for a cool-down, during w
 with `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
 recovery are logged once each; failures are counted for the metrics.
 
+A few calls are sent even while the breaker is open (`pipeline(..., always=True)`): those whose failure costs
+more than one more slow call, made a few times a second at most. A background job's lease renewal is one: a
+single timed-out call must not keep a live owner from renewing for the whole cool-down, or its healthy jobs
+would be taken as lost by the other instances.
+
 Callers speak in commands (`execute("GET", key)`, `pipeline([...])`, `run(script, keys, args)`), never in a
 client library's objects. Underneath is the lean pipelined client of `resp.py` (a single server) or
 `cluster.py` (a Redis Cluster, `redis+cluster://`); replies are RESP as it comes: bytes, int, list or None.
@@ -90,8 +95,18 @@ class Store:
             self._recovered()
         return result
 
-    async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
-        """Several commands in one round trip; a command's error is returned in its place, not raised."""
+    async def pipeline(self, commands: Sequence[Sequence[Arg]], *, always: bool = False) -> list[Any]:
+        """Several commands in one round trip; a command's error is returned in its place, not raised.
+
+        `always`: sent even while the breaker is open (see above). Its failure still opens the breaker (it is
+        as much news about Redis as any call); its success does not close it, so the other callers' cool-down
+        is the same whoever calls.
+        """
+        if always:
+            try:
+                return await self.client.pipeline(commands)
+            except Exception as exc:
+                raise self._trip(exc) from exc
         self._check()
         return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
 

@@ -93,6 +93,7 @@ class Recorder:
         self.terminal: dict[str, Any] | None = None  # Responses: the response of the upstream's terminal event
         self.terminal_type = ""
         self.away_since: float | None = None  # when the store last failed to take events, if it has not since
+        self.closed = False  # the job is ending: finish writes what is left, no timer does
 
     def begin(self) -> None:
         self.document = {**self.document, "status": "in_progress"}
@@ -130,7 +131,7 @@ class Recorder:
         self._schedule(FLUSH_S)
 
     def _schedule(self, delay: float) -> None:
-        if self.timer is None:
+        if self.timer is None and not self.closed:
             self.timer = asyncio.get_running_loop().call_later(delay, self._flush_later)
 
     def _flush_later(self) -> None:
@@ -207,6 +208,7 @@ class Recorder:
 
     def stop(self) -> None:
         """No more timed writes: the job is ending (its last events are written by finish)."""
+        self.closed = True
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

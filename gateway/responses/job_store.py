@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from gateway.state.resp import ReplyError
-from gateway.state.store import Script, Store
+from gateway.state.store import Script, Store, StoreUnavailable
 
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
@@ -234,12 +234,16 @@ class RedisJobs:
     async def renew(self, instance: str, running: Sequence[Job]) -> Renewal:
         """The lease, the running jobs' slots and a look at their records, in one round trip the breaker lets by."""
         until = time.time() + self.lease_s
-        commands: list[list[Any]] = [["SET", lease_key(instance), 1, "PX", self.lease_ms, "GET"]]
+        lease = lease_key(instance)
+        # PEXPIRE answers whether the lease was still there (0: it had run out), SET makes sure it is now.
+        commands: list[list[Any]] = [["PEXPIRE", lease, self.lease_ms], ["SET", lease, 1, "PX", self.lease_ms]]
         commands += [["ZADD", inflight_key(job.tenant), "XX", until, job.ident] for job in running]
         commands += [["HGET", job_key(job.ident), "status"] for job in running]
         replies = await self.store.pipeline(commands, always=True)
-        renewal = Renewal(lapsed=replies[0] is None)
-        for job, status in zip(running, replies[1 + len(running) :], strict=True):
+        if isinstance(replies[1], ReplyError):
+            raise StoreUnavailable(f"lease not renewed: {replies[1]}")
+        renewal = Renewal(lapsed=replies[0] == 0)
+        for job, status in zip(running, replies[2 + len(running) :], strict=True):
             if isinstance(status, ReplyError):
                 continue
             if status is None or status.decode() in TERMINAL:

@@ -60,6 +60,7 @@ log = logging.getLogger("sluice.background")
 JSON = b"application/json"
 SSE = b"text/event-stream"
 SHUTDOWN_ERROR = {"code": "gateway_shutdown", "message": "the gateway instance running it shut down"}
+ENDED_ELSEWHERE = "background job %s: stopped and its upstream closed: its record had ended (or is gone)"
 LOST_ERROR = {"code": "owner_lost", "message": "the gateway instance running it stopped (its lease expired)"}
 
 
@@ -232,17 +233,16 @@ class Background:
         self.renewed_at = sent
         for entry in running:
             if entry.job.ident in renewal.ended:
-                status = renewal.ended[entry.job.ident]
-                log.warning("background job %s: ended elsewhere (%s); stopped", entry.job.ident, status or "gone")
-                self._stop(entry, "ended")
+                self._stop(entry, "ended")  # cancelled, or failed by another instance: its task says so
 
     def _stop(self, entry: Running, reason: str) -> None:
         if entry.reason is None:
             entry.reason = reason
         # A job writing its end keeps at it, except at shutdown: then what it could not write now is lost
         # with the process, and its lease's expiry makes it `owner_lost` for the other instances.
-        if entry.task is not None and (not entry.finishing or reason == "shutdown"):
-            entry.task.cancel()
+        task = entry.task
+        if task is not None and not task.cancelling() and (not entry.finishing or reason == "shutdown"):
+            task.cancel()
 
     # Starting
 
@@ -316,7 +316,7 @@ class Background:
             if task is not None:
                 task.uncancel()  # told to stop: what remains is to record why, if anyone has to
             if entry.reason == "ended":
-                log.info("background job %s: stopped, its record had ended", job.ident)
+                log.warning(ENDED_ELSEWHERE, job.ident)
             elif entry.reason == "lost":
                 outcome = recorder.failure("failed", LOST_ERROR)
             elif entry.reason == "shutdown":
@@ -324,7 +324,7 @@ class Background:
             else:
                 outcome = recorder.failure("cancelled", {"code": "cancelled", "message": "cancelled"})
         except Ended:
-            log.info("background job %s: stopped, its record had ended", job.ident)
+            log.warning(ENDED_ELSEWHERE, job.ident)
         except Overflow as exc:
             outcome = recorder.failure("failed", store_error(str(exc)))
             log.warning("background job %s: failed, the store %s", job.ident, exc)

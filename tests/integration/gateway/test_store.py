@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import time
 
+import pytest
+
 from gateway.state.store import Store, StoreUnavailable
 from tests.support.redis import RedisServer
 from tests.support.wait import until
@@ -39,5 +41,27 @@ async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server:
         redis_server.start()
         await until(lambda: store.available, what="the breaker's cool-down")
         assert await store.execute("PING")
+    finally:
+        await store.aclose()
+
+
+async def test_a_call_sent_always_passes_the_open_breaker_and_leaves_it_open(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url, cooldown_s=30.0)  # far longer than this test: only `always` gets through
+    try:
+        assert await store.execute("PING")
+        redis_server.pause()
+        try:
+            with contextlib.suppress(StoreUnavailable):
+                await store.execute("GET", "x")  # times out: the breaker opens
+        finally:
+            redis_server.resume()
+        assert not store.available
+        with pytest.raises(StoreUnavailable, match="circuit open"):
+            await store.execute("GET", "x")
+        assert await store.pipeline([["SET", "lease", "1", "PX", 1000], ["GET", "lease"]], always=True) == [
+            b"OK",
+            b"1",
+        ]
+        assert not store.available  # its success closes nothing: the others' cool-down is unchanged
     finally:
         await store.aclose()

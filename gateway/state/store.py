@@ -5,8 +5,8 @@ tried once, and after a failure the breaker stays open for a cool-down, during w
 with `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
 recovery are logged once each; failures are counted for the metrics.
 
-A few calls are sent even while the breaker is open (`pipeline(..., always=True)`): those whose failure costs
-more than one more slow call, made a few times a second at most. A background job's lease renewal is one: a
+A few calls bypass the breaker (`pipeline(..., always=True)`): those whose failure costs more than one more
+slow call, made in the background a few times a second at most. A background job's lease renewal is one: a
 single timed-out call must not keep a live owner from renewing for the whole cool-down, or its healthy jobs
 would be taken as lost by the other instances.
 
@@ -98,15 +98,16 @@ class Store:
     async def pipeline(self, commands: Sequence[Sequence[Arg]], *, always: bool = False) -> list[Any]:
         """Several commands in one round trip; a command's error is returned in its place, not raised.
 
-        `always`: sent even while the breaker is open (see above). Its failure still opens the breaker (it is
-        as much news about Redis as any call); its success does not close it, so the other callers' cool-down
-        is the same whoever calls.
+        `always`: outside the breaker (see above), both ways: sent even while it is open, and neither its
+        failure opens it nor its success closes it, so a call made in the background on its own schedule
+        never changes what the request path does. Its failures are counted all the same.
         """
         if always:
             try:
                 return await self.client.pipeline(commands)
             except Exception as exc:
-                raise self._trip(exc) from exc
+                self.failures += 1
+                raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         self._check()
         return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
 

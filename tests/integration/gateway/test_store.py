@@ -45,23 +45,25 @@ async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server:
         await store.aclose()
 
 
-async def test_a_call_sent_always_passes_the_open_breaker_and_leaves_it_open(redis_server: RedisServer) -> None:
+async def test_a_call_sent_always_is_outside_the_breaker_both_ways(redis_server: RedisServer) -> None:
     store = Store(redis_server.url, cooldown_s=30.0)  # far longer than this test: only `always` gets through
+    lease = [["SET", "lease", "1", "PX", 1000], ["GET", "lease"]]
     try:
         assert await store.execute("PING")
         redis_server.pause()
         try:
-            with contextlib.suppress(StoreUnavailable):
-                await store.execute("GET", "x")  # times out: the breaker opens
+            with pytest.raises(StoreUnavailable):
+                await store.pipeline(lease, always=True)  # times out...
+            assert store.available  # ...and leaves the breaker closed for the request path
+            with pytest.raises(StoreUnavailable):
+                await store.execute("GET", "x")  # an ordinary call that times out opens it
         finally:
             redis_server.resume()
         assert not store.available
         with pytest.raises(StoreUnavailable, match="circuit open"):
             await store.execute("GET", "x")
-        assert await store.pipeline([["SET", "lease", "1", "PX", 1000], ["GET", "lease"]], always=True) == [
-            b"OK",
-            b"1",
-        ]
+        assert await store.pipeline(lease, always=True) == [b"OK", b"1"]
         assert not store.available  # its success closes nothing: the others' cool-down is unchanged
+        assert store.failures == 2
     finally:
         await store.aclose()

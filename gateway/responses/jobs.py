@@ -321,8 +321,8 @@ class Background:
                 outcome = recorder.failure("failed", LOST_ERROR)
             elif entry.reason == "shutdown":
                 outcome, wait_s = recorder.failure("failed", SHUTDOWN_ERROR), 0.0
-            else:
-                outcome = recorder.failure("cancelled", {"code": "cancelled", "message": "cancelled"})
+            else:  # not by us: the loop itself is going away, so one try
+                outcome, wait_s = recorder.failure("cancelled", {"code": "cancelled", "message": "cancelled"}), 0.0
         except Ended:
             log.warning(ENDED_ELSEWHERE, job.ident)
         except Overflow as exc:

@@ -8,20 +8,24 @@ up to the final text, a job ends once (one terminal event, nothing after it), an
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import openai
 import pytest
 
+from gateway.responses.job_store import Job, RedisJobs, terminal_event
+from gateway.state.store import Store
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.redis import RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
-from tests.support.wait import wait_until
+from tests.support.wait import until_async, wait_until
 
 KEY, KEY_HASH = new_key()
 T = TypeVar("T")
@@ -258,3 +262,59 @@ def test_a_store_away_past_the_deadline_at_the_end_fails_the_job(redis_server: R
             assert events[-1].type == "response.failed"
             assert len(deltas(events).split()) == 40  # every event the upstream sent was kept and written
     assert up.disconnects == []  # the upstream had finished: nothing to cut
+
+
+async def test_the_store_ends_a_job_once_and_appends_nothing_after_it(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url)
+    jobs = RedisJobs(store, ttl_s=60, max_events=100, lease_s=1)
+    job = Job("resp_a", "responses", "acme", "m", "owner-a", "queued", b'{"id":"resp_a"}')
+    try:
+        assert await jobs.create(job, cap=1)
+        assert await jobs.append(job, [(0, b"e0"), (1, b"e1")], b'{"status":"in_progress"}')
+        found = await jobs.get(job.ident)
+        assert found is not None
+        assert found.status == "in_progress"
+        assert await jobs.append(job, [(1, b"e1"), (2, b"e2")], None)  # a repeat of a write that had landed
+        assert not await jobs.append(replace(job, owner="owner-b"), [(3, b"x")], None)  # only its owner writes
+        # Two instances end it at the same moment: one wins, and the stream has its terminal event only.
+        ends = await asyncio.gather(
+            jobs.finish(job, "completed", b'{"status":"completed"}', "response.completed", [(3, b"e3")]),
+            jobs.finish(job, "failed", b'{"status":"failed"}', "response.failed"),
+        )
+        assert sorted(ends) == [False, True]
+        assert not await jobs.append(job, [(9, b"late")], None)
+        events = await jobs.events(job.ident, after=-1)
+        found = await jobs.get(job.ident)
+        assert found is not None
+        last = len(events) - 1
+        assert events[-1] == (last, terminal_event(f"response.{found.status}", last, found.object))
+        assert [seq for seq, _ in events] == list(range(len(events)))
+        assert [data for _, data in events[:3]] == [b"e0", b"e1", b"e2"]
+        assert sum(data.startswith(b"event: response.") for _, data in events) == 1
+    finally:
+        await store.aclose()
+
+
+async def test_a_lease_that_ran_out_is_reported_and_its_slots_expire(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url)
+    jobs = RedisJobs(store, ttl_s=60, max_events=100, lease_s=1)
+    job = Job("resp_b", "responses", "acme", "m", "owner-a", "queued", b"{}")
+    later = Job("resp_c", "responses", "acme", "m", "owner-b", "queued", b"{}")
+    try:
+        assert await jobs.create(job, cap=1)
+        await jobs.renew("owner-a", [job])
+        renewal = await jobs.renew("owner-a", [job])
+        assert not renewal.lapsed
+        assert renewal.ended == {}
+        assert not await jobs.create(later, cap=1)
+        # No renewal now, as when the owner is paused or dead: the lease and the slot run out together.
+        started = time.monotonic()
+        await until_async(lambda: jobs.create(later, cap=1), timeout=5.0)
+        assert time.monotonic() - started < 2.5
+        assert not await jobs.alive("owner-a")
+        renewal = await jobs.renew("owner-a", [job])
+        assert renewal.lapsed  # the owner learns it at its next renewal
+        assert await jobs.finish(later, "cancelled", b"{}", "response.failed")
+        assert (await jobs.renew("owner-b", [later])).ended == {"resp_c": "cancelled"}
+    finally:
+        await store.aclose()

@@ -47,7 +47,7 @@ async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server:
 
 async def test_a_call_sent_always_is_outside_the_breaker_both_ways(redis_server: RedisServer) -> None:
     store = Store(redis_server.url, cooldown_s=30.0)  # far longer than this test: only `always` gets through
-    lease = [["SET", "lease", "1", "PX", 1000], ["GET", "lease"]]
+    lease: list[list[str | int]] = [["SET", "lease", "1", "PX", 1000], ["GET", "lease"]]
     try:
         assert await store.execute("PING")
         redis_server.pause()

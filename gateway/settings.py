@@ -262,6 +262,11 @@ class BackgroundSettings(Strict):
     max_events: int = Field(10000, ge=16)  # events kept per response for resuming (approximately)
     max_seconds: float = Field(3600.0, gt=0)  # a gateway-run job still going after this is cancelled
     lease_s: float = Field(10.0, ge=1)  # an owner silent this long is taken as dead: its jobs fail
+    # While the store cannot take a job's events, the job keeps them (in order) up to these bounds, then fails;
+    # a job whose upstream has ended waits this long for the store before it fails (`store_unavailable`).
+    buffer_events: int = Field(4096, ge=16)
+    buffer_bytes: int = Field(4 * 1024 * 1024, ge=65536)
+    store_wait_s: float = Field(30.0, ge=0)
 
 
 class Settings(Strict):

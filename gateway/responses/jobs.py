@@ -8,8 +8,13 @@ response object (or, for `stream: true`, the live stream of its events), or `202
 `Location` for chat. Polls, resumes and cancels reach the job through a `Reader` target, on any instance.
 
 The task is bounded (`background.max_seconds`, the tenant's `max_inflight_per_tenant`); while it runs, this
-instance renews its lease every `lease_s / 3`. A reader that finds a job running on an instance whose lease
-has expired marks it failed, so a job never stays in progress after its owner died. On a graceful shutdown
+instance renews its lease and its jobs' slots every `lease_s / 3`, on a path the store's breaker does not
+block, and retries a failed renewal every 0.1 s. The same round trip reads each running job's status: a job
+that ended elsewhere (cancelled, or failed by an instance that found our lease expired) is stopped at once
+and its upstream request closed, as is every job of a lease that lapsed (this process paused, or the store
+away, longer than `lease_s`). A write that finds the job ended stops it the same way. A reader that finds a
+job running on an instance whose lease has expired marks it failed, so a job never stays in progress after
+its owner died, and the dead owner's slots are free a lease after its last renewal. On a graceful shutdown
 the owner marks its unfinished jobs failed at once (they cannot be finished elsewhere).
 """
 
@@ -20,13 +25,25 @@ import contextlib
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway import errors
 from gateway.context import Exchange
-from gateway.responses.job_recorder import Recorder, failed_document, input_items, queued_response
+from gateway.responses.job_recorder import (
+    RETRY_S,
+    Bounds,
+    Ended,
+    Outcome,
+    Overflow,
+    Recorder,
+    failed_document,
+    input_items,
+    queued_response,
+    store_error,
+)
 from gateway.responses.job_store import TERMINAL, Job, Jobs, MemoryJobs, RedisJobs
 from gateway.state.store import StoreUnavailable
 from gateway.upstream.pool import PoolError
@@ -43,6 +60,7 @@ log = logging.getLogger("sluice.background")
 JSON = b"application/json"
 SSE = b"text/event-stream"
 SHUTDOWN_ERROR = {"code": "gateway_shutdown", "message": "the gateway instance running it shut down"}
+ENDED_ELSEWHERE = "background job %s: stopped and its upstream closed: its record had ended (or is gone)"
 LOST_ERROR = {"code": "owner_lost", "message": "the gateway instance running it stopped (its lease expired)"}
 
 
@@ -124,9 +142,9 @@ class Follow:
         """What a client needs after the last stored event: the end of the stream in its dialect."""
         status = job.status if job is not None else "failed"
         if self._job.kind == "responses":
-            if status in ("completed", "incomplete"):
-                return b""  # its terminal event is the last one stored
-            response = orjson.loads(job.object) if job is not None else {"id": self._job.ident, "status": "failed"}
+            if job is not None:
+                return b""  # its terminal event, written with its end, is the last one stored
+            response = {"id": self._job.ident, "status": "failed"}  # gone (expired, or the store emptied)
             event = {"type": "response.failed", "sequence_number": self._after + 1, "response": response}
             return b"event: response.failed\ndata: " + orjson.dumps(event) + b"\n\n"
         if status == "completed":
@@ -146,6 +164,17 @@ class Follow:
         self._closed = True
 
 
+@dataclass(slots=True)
+class Running:
+    """A job this process runs: its task, and why it was told to stop (None: it was not)."""
+
+    job: Job
+    started: float  # time.monotonic()
+    task: asyncio.Task[None] | None = None
+    reason: str | None = None  # "ended" (its record says so), "lost" (our lease lapsed), "shutdown"
+    finishing: bool = False  # writing its end: a lapse of the lease no longer changes it
+
+
 class Background:
     """The jobs this process runs, and the access to everyone's jobs."""
 
@@ -157,30 +186,63 @@ class Background:
             if store is not None
             else MemoryJobs(spec.ttl_s, spec.max_events)
         )
+        self.bounds = Bounds(spec.buffer_events, spec.buffer_bytes, spec.store_wait_s, spec.ttl_s)
         self.shared = store is not None
         self.instance = f"{random.getrandbits(64):016x}"
-        self.running: dict[str, tuple[asyncio.Task[None], Job]] = {}
+        self.running: dict[str, Running] = {}
+        self.renewed_at: float | None = None  # time.monotonic() when the last renewal that succeeded was sent
         self._lease: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.shared:
             with contextlib.suppress(StoreUnavailable):
                 await self.jobs.prepare()
-                await self.jobs.renew(self.instance)
+            with contextlib.suppress(StoreUnavailable):
+                await self._renew()
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease())
 
     async def _keep_lease(self) -> None:
-        """Renew this instance's lease; stop the jobs that were cancelled elsewhere."""
+        """Renew this instance's lease every lease_s / 3, retried soon after a failure (the breaker lets it by)."""
+        every = self.spec.lease_s / 3
+        wait = every
         while True:
-            await asyncio.sleep(self.spec.lease_s / 3)
+            await asyncio.sleep(wait)
             try:
-                await self.jobs.renew(self.instance)
-                for ident in await self.jobs.cancel_requested(list(self.running)):
-                    task, _ = self.running.get(ident, (None, None))
-                    if task is not None:
-                        task.cancel()
-            except StoreUnavailable:
-                log.warning("background: cannot renew the lease of instance %s", self.instance)
+                await self._renew()
+                if wait != every:
+                    log.warning("background: the lease of instance %s is renewed again", self.instance)
+                wait = every
+            except StoreUnavailable as exc:
+                if wait == every:
+                    log.warning("background: cannot renew the lease of instance %s (%s)", self.instance, exc)
+                wait = min(RETRY_S, every)
+
+    async def _renew(self) -> None:
+        """One renewal: the lease and our jobs' slots; stop the jobs that ended elsewhere or that the lease lost."""
+        sent = time.monotonic()
+        running = list(self.running.values())
+        renewal = await self.jobs.renew(self.instance, [r.job for r in running])
+        if renewal.lapsed and self.renewed_at is not None:
+            # Our lease ran out (this process was paused, or the store was away, longer than lease_s): every
+            # other instance may take the jobs it covered for dead, so they are. A job started since is not.
+            lapsed_at = self.renewed_at + self.spec.lease_s
+            for entry in running:
+                if entry.started < lapsed_at and not entry.finishing:
+                    log.warning("background job %s: the lease of instance %s lapsed", entry.job.ident, self.instance)
+                    self._stop(entry, "lost")
+        self.renewed_at = sent
+        for entry in running:
+            if entry.job.ident in renewal.ended:
+                self._stop(entry, "ended")  # cancelled, or failed by another instance: its task says so
+
+    def _stop(self, entry: Running, reason: str) -> None:
+        if entry.reason is None:
+            entry.reason = reason
+        # A job writing its end keeps at it, except at shutdown: then what it could not write now is lost
+        # with the process, and its lease's expiry makes it `owner_lost` for the other instances.
+        task = entry.task
+        if task is not None and not task.cancelling() and (not entry.finishing or reason == "shutdown"):
+            task.cancel()
 
     # Starting
 
@@ -202,7 +264,7 @@ class Background:
             ident, kind, ex.tenant, ex.model, self.instance, "queued", orjson.dumps(document), orjson.dumps(items)
         )
         try:
-            admitted = await self.jobs.create(job, self.spec.max_inflight_per_tenant, self.spec.max_seconds)
+            admitted = await self.jobs.create(job, self.spec.max_inflight_per_tenant)
         except StoreUnavailable:
             raise errors.ServiceUnavailableError(
                 "background requests need the job store, which is unavailable; retry shortly",
@@ -215,15 +277,16 @@ class Background:
                 code="background_limit",
                 headers=[(b"retry-after", b"1")],
             )
-        task = asyncio.get_running_loop().create_task(self._run(job, ex, chain, document))
-        self.running[ident] = (task, job)
+        entry = self.running[ident] = Running(job, time.monotonic())
+        entry.task = task = asyncio.get_running_loop().create_task(self._run(entry, ex, chain, document))
         task.add_done_callback(lambda _: self.running.pop(ident, None))
         if kind != "responses":
             location = f"/v1/sluice/background/{ident}".encode()
             return ident, Canned(202, job.object, [(b"location", location)])
         return ident, Follow(self, job, -1) if ex.stream else Canned(200, job.object)
 
-    async def _run(self, job: Job, origin: Exchange, chain: tuple[Target, ...], document: dict[str, Any]) -> None:
+    async def _run(self, entry: Running, origin: Exchange, chain: tuple[Target, ...], document: dict[str, Any]) -> None:
+        job = entry.job
         body = {k: v for k, v in origin.json.items() if k != "background"}
         body["stream"] = True
         if job.kind != "responses":
@@ -232,35 +295,54 @@ class Background:
         ex.tenant = origin.tenant
         ex.targets = list(chain)
         ex.traceparent = origin.traceparent
-        recorder = Recorder(self.jobs, job, document)
-        opened = None
+        recorder = Recorder(self.jobs, job, document, self.bounds, lambda: self._stop(entry, "ended"))
+        outcome: Outcome | None = None
+        wait_s: float | None = None
         try:
-            async with asyncio.timeout(self.spec.max_seconds):
-                opened = await self.upstreams.open(ex)
-                await recorder.begin()
-                await recorder.feed(opened.first)
-                while chunk := await opened.response.next_chunk():
-                    await recorder.feed(chunk)
-            await recorder.end()
+            opened = None
+            try:
+                async with asyncio.timeout(self.spec.max_seconds):
+                    opened = await self.upstreams.open(ex)
+                    recorder.begin()
+                    await recorder.feed(opened.first)
+                    while chunk := await opened.response.next_chunk():
+                        await recorder.feed(chunk)
+            finally:
+                if opened is not None:
+                    opened.response.close()  # a job that stops for any reason stops its upstream request here
+            outcome = recorder.outcome()
         except asyncio.CancelledError:
-            await _quietly(recorder.fail("cancelled", {"code": "cancelled", "message": "cancelled by the client"}))
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # told to stop: what remains is to record why, if anyone has to
+            if entry.reason == "ended":
+                log.warning(ENDED_ELSEWHERE, job.ident)
+            elif entry.reason == "lost":
+                outcome = recorder.failure("failed", LOST_ERROR)
+            elif entry.reason == "shutdown":
+                outcome, wait_s = recorder.failure("failed", SHUTDOWN_ERROR), 0.0
+            else:  # not by us: the loop itself is going away, so one try
+                outcome, wait_s = recorder.failure("cancelled", {"code": "cancelled", "message": "cancelled"}), 0.0
+        except Ended:
+            log.warning(ENDED_ELSEWHERE, job.ident)
+        except Overflow as exc:
+            outcome = recorder.failure("failed", store_error(str(exc)))
+            log.warning("background job %s: failed, the store %s", job.ident, exc)
         except TimeoutError:
             message = f"the job ran longer than background.max_seconds ({self.spec.max_seconds:g} s)"
-            await _quietly(recorder.fail("failed", {"code": "timeout", "message": message}))
+            outcome = recorder.failure("failed", {"code": "timeout", "message": message})
         except errors.GatewayError as exc:
-            await _quietly(recorder.fail("failed", {"code": exc.code or "upstream_error", "message": exc.message}))
+            outcome = recorder.failure("failed", {"code": exc.code or "upstream_error", "message": exc.message})
         except PoolError as exc:
-            await _quietly(recorder.fail("failed", {"code": "upstream_error", "message": f"upstream failed: {exc}"}))
-        except StoreUnavailable as exc:
-            log.warning("background job %s: store unavailable (%s); it cannot be recorded", job.ident, exc)
+            outcome = recorder.failure("failed", {"code": "upstream_error", "message": f"upstream failed: {exc}"})
         except Exception:
             log.exception("background job %s failed inside the gateway", job.ident)
-            await _quietly(recorder.fail("failed", {"code": "internal_error", "message": "internal gateway error"}))
-        finally:
-            recorder.stop()
-            if opened is not None:
-                opened.response.close()  # a cancelled or failed job stops its upstream request here
-            await _quietly(self.jobs.release(job))
+            outcome = recorder.failure("failed", {"code": "internal_error", "message": "internal gateway error"})
+        recorder.stop()
+        if outcome is not None:
+            entry.finishing = True
+            await recorder.finish(outcome, wait_s, 0.0 if wait_s is not None else None)
+        await _quietly(self.jobs.release(job))
 
     # Reading
 
@@ -275,7 +357,7 @@ class Background:
         elif await self.jobs.alive(job.owner):
             return job
         failed = failed_document(job, "failed", LOST_ERROR)
-        if await self.jobs.update(job, "failed", failed):
+        if await self.jobs.finish(job, "failed", failed, _terminal(job)):
             log.warning("background job %s: owner %s lost, marked failed", job.ident, job.owner)
             await _quietly(self.jobs.release(job))
         return await self.jobs.get(job.ident) or job
@@ -284,12 +366,11 @@ class Background:
         if job.status in TERMINAL:
             return job
         cancelled = failed_document(job, "cancelled", None)
-        await self.jobs.update(job, "cancelled", cancelled)
-        running = self.running.get(job.ident)
-        if running is not None:
-            running[0].cancel()  # here: stop it now
-        else:
-            await self.jobs.request_cancel(job.ident)  # elsewhere: its owner's lease loop stops it
+        if await self.jobs.finish(job, "cancelled", cancelled, _terminal(job)):
+            await _quietly(self.jobs.release(job))
+        entry = self.running.get(job.ident)
+        if entry is not None:
+            self._stop(entry, "ended")  # here: stop it now; elsewhere, its owner's next renewal stops it
         return await self.jobs.get(job.ident) or job
 
     def follow(self, job: Job, after: int) -> Follow:
@@ -298,12 +379,18 @@ class Background:
     async def aclose(self) -> None:
         if self._lease is not None:
             self._lease.cancel()
-        for ident, (task, job) in list(self.running.items()):
-            await _quietly(self.jobs.update(job, "failed", failed_document(job, "failed", SHUTDOWN_ERROR)))
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            log.info("background job %s: failed at shutdown", ident)
+        entries = list(self.running.values())
+        for entry in entries:
+            self._stop(entry, "shutdown")  # each writes its end (gateway_shutdown) at once, or never
+        for entry in entries:
+            if entry.task is not None:
+                with contextlib.suppress(BaseException):
+                    await entry.task
+            log.info("background job %s: failed at shutdown", entry.job.ident)
+
+
+def _terminal(job: Job) -> str:
+    return "response.failed" if job.kind == "responses" else ""
 
 
 async def _quietly(call: Any) -> None:

@@ -5,6 +5,11 @@ tried once, and after a failure the breaker stays open for a cool-down, during w
 with `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
 recovery are logged once each; failures are counted for the metrics.
 
+A few calls bypass the breaker (`pipeline(..., always=True)`): those whose failure costs more than one more
+slow call, made in the background a few times a second at most. A background job's lease renewal is one: a
+single timed-out call must not keep a live owner from renewing for the whole cool-down, or its healthy jobs
+would be taken as lost by the other instances.
+
 Callers speak in commands (`execute("GET", key)`, `pipeline([...])`, `run(script, keys, args)`), never in a
 client library's objects. Underneath is the lean pipelined client of `resp.py` (a single server) or
 `cluster.py` (a Redis Cluster, `redis+cluster://`); replies are RESP as it comes: bytes, int, list or None.
@@ -90,8 +95,19 @@ class Store:
             self._recovered()
         return result
 
-    async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
-        """Several commands in one round trip; a command's error is returned in its place, not raised."""
+    async def pipeline(self, commands: Sequence[Sequence[Arg]], *, always: bool = False) -> list[Any]:
+        """Several commands in one round trip; a command's error is returned in its place, not raised.
+
+        `always`: outside the breaker (see above), both ways: sent even while it is open, and neither its
+        failure opens it nor its success closes it, so a call made in the background on its own schedule
+        never changes what the request path does. Its failures are counted all the same.
+        """
+        if always:
+            try:
+                return await self.client.pipeline(commands)
+            except Exception as exc:
+                self.failures += 1
+                raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         self._check()
         return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
 

@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import time
 
+import pytest
+
 from gateway.state.store import Store, StoreUnavailable
 from tests.support.redis import RedisServer
 from tests.support.wait import until
@@ -39,5 +41,29 @@ async def test_redis_down_fails_fast_then_skips_until_the_cooldown(redis_server:
         redis_server.start()
         await until(lambda: store.available, what="the breaker's cool-down")
         assert await store.execute("PING")
+    finally:
+        await store.aclose()
+
+
+async def test_a_call_sent_always_is_outside_the_breaker_both_ways(redis_server: RedisServer) -> None:
+    store = Store(redis_server.url, cooldown_s=30.0)  # far longer than this test: only `always` gets through
+    lease: list[list[str | int]] = [["SET", "lease", "1", "PX", 1000], ["GET", "lease"]]
+    try:
+        assert await store.execute("PING")
+        redis_server.pause()
+        try:
+            with pytest.raises(StoreUnavailable):
+                await store.pipeline(lease, always=True)  # times out...
+            assert store.available  # ...and leaves the breaker closed for the request path
+            with pytest.raises(StoreUnavailable):
+                await store.execute("GET", "x")  # an ordinary call that times out opens it
+        finally:
+            redis_server.resume()
+        assert not store.available
+        with pytest.raises(StoreUnavailable, match="circuit open"):
+            await store.execute("GET", "x")
+        assert await store.pipeline(lease, always=True) == [b"OK", b"1"]
+        assert not store.available  # its success closes nothing: the others' cool-down is unchanged
+        assert store.failures == 2
     finally:
         await store.aclose()

@@ -10,7 +10,7 @@ import pytest
 from openai.types.responses import Response
 
 from gateway.responses.job_recorder import queued_response
-from gateway.responses.job_store import Job, MemoryJobs
+from gateway.responses.job_store import Job, MemoryJobs, terminal_event
 from gateway.server.relay import find_usage
 from gateway.simulation.answers import SSE, Profile, simulate
 from gateway.wire import completion
@@ -83,22 +83,33 @@ def test_preamble_events_are_not_a_first_token() -> None:
         assert not RESPONSES_RULES.first_token.search(f"event: {kind}\ndata: {{}}".encode())
 
 
-def test_memory_jobs_keep_the_first_terminal_status_and_cap_per_tenant() -> None:
+def test_memory_jobs_end_once_append_nothing_after_and_cap_per_tenant() -> None:
     async def scenario() -> None:
         jobs = MemoryJobs(ttl_s=60, max_events=16)
         job = Job("resp_1", "responses", "acme", "m", "me", "queued", b"{}")
-        assert await jobs.create(job, cap=1, max_age_s=60)
-        assert not await jobs.create(Job("resp_2", "responses", "acme", "m", "me", "queued", b"{}"), 1, 60)
-        assert await jobs.create(Job("resp_3", "responses", "rival", "m", "me", "queued", b"{}"), 1, 60)
-        await jobs.append("resp_1", [(i, b"e%d" % i) for i in range(20)])
+        assert await jobs.create(job, cap=1)
+        assert not await jobs.create(Job("resp_2", "responses", "acme", "m", "me", "queued", b"{}"), 1)
+        assert await jobs.create(Job("resp_3", "responses", "rival", "m", "me", "queued", b"{}"), 1)
+        assert await jobs.append(job, [(i, b"e%d" % i) for i in range(10)], b'{"status":"in_progress"}')
+        assert (await jobs.get("resp_1") or job).status == "in_progress"
+        # A write repeated after a timeout that had landed after all: only what was not there is stored.
+        assert await jobs.append(job, [(i, b"e%d" % i) for i in range(8, 20)], None)
         assert [seq for seq, _ in await jobs.events("resp_1", after=-1)] == list(range(4, 20))  # bounded
         assert [seq for seq, _ in await jobs.events("resp_1", after=17)] == [18, 19]
-        assert await jobs.update(job, "cancelled", b'{"status":"cancelled"}')
-        assert not await jobs.update(job, "completed", b"{}")
+        stranger = Job("resp_1", "responses", "acme", "m", "someone else", "queued", b"{}")
+        assert not await jobs.append(stranger, [(20, b"e20")], None)  # only its owner writes
+        assert await jobs.finish(job, "cancelled", b'{"status":"cancelled"}', "response.failed")
+        assert not await jobs.finish(job, "completed", b"{}", "response.completed")
+        assert not await jobs.append(job, [(21, b"late")], None)
+        events = await jobs.events("resp_1", after=-1)
+        assert events[-1] == (20, terminal_event("response.failed", 20, b'{"status":"cancelled"}'))
+        terminal = orjson.loads(events[-1][1].partition(b"data: ")[2])
+        assert terminal == {"type": "response.failed", "sequence_number": 20, "response": {"status": "cancelled"}}
         found = await jobs.get("resp_1")
         assert found is not None
         assert found.status == "cancelled"
-        assert await jobs.create(Job("resp_4", "responses", "acme", "m", "me", "queued", b"{}"), 1, 60)
+        assert (await jobs.renew("me", [job])).ended == {"resp_1": "cancelled"}
+        assert await jobs.create(Job("resp_4", "responses", "acme", "m", "me", "queued", b"{}"), 1)
 
     asyncio.run(scenario())
 

@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-ms", type=float, default=defaults.load_ms, help="model load time")
     p.add_argument("--idle-unload-s", type=float, default=defaults.idle_unload_s, help="Ollama's default keep_alive")
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="context length in tokens")
+    p.add_argument("--server-version", default="", help="the release to stand in for (TGI: its stream shape)")
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -75,6 +76,7 @@ def options(args: argparse.Namespace) -> Options:
         load_ms=args.load_ms,
         idle_unload_s=args.idle_unload_s,
         max_model_len=args.max_model_len,
+        server_version=args.server_version,
     )
 
 

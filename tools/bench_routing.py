@@ -137,6 +137,65 @@ def pick_cost(endpoints: int = 8, turns: int = 6) -> dict[str, float]:
     return asyncio.run(measure())
 
 
+def long_prompt_affinity(
+    replicas: int = 4, conversations: int = 15, turns: int = 5, system_chars: int = 20_480, **routing: Any
+) -> tuple[int, int, list[int]]:
+    """(later turns that stayed on their conversation's replica, later turns, turns per replica) under
+    `routing: prefix`.
+
+    Conversations share a system prompt longer than the hashed blocks (`max_blocks * block_chars`, 16 KiB by
+    default), so only the turn marks, which cover the whole prompt, can tell them apart. The turns of all
+    conversations come in rounds, each round a burst in a random order: a turn stays in flight on its replica
+    until the round ends, so the load spreads the conversations and weighs against what a replica holds, as
+    in a busy gateway. In-process: the policy's key, pick and served, the load as a scrape would report it;
+    no servers.
+    """
+
+    async def measure() -> tuple[int, int, list[int]]:
+        from gateway.context import Exchange
+        from gateway.settings import RoutingSettings
+        from gateway.upstream.pool import PoolLimits
+        from gateway.upstream.replica import Endpoint
+        from gateway.upstream.route import build
+
+        pool = [Endpoint(f"http://10.0.0.{i}:8000/v1", PoolLimits(), None, False) for i in range(replicas)]
+        policy = build(RoutingSettings(policy="prefix", **routing), 3.0)
+        rng = random.Random(7)
+        rule = " ".join(f"rule{rng.randrange(10_000)}" for _ in range(system_chars // 9))
+        system = {"role": "system", "content": rule[:system_chars]}
+        talks: list[list[dict[str, str]]] = [[system] for _ in range(conversations)]
+        placed: dict[int, Any] = {}
+        stayed = later = 0
+        served = dict.fromkeys(pool, 0)
+        now = time.monotonic()
+        for turn in range(turns):
+            flight = dict.fromkeys(pool, 0)
+            for endpoint in pool:
+                endpoint.scraped(0.0, 0.0, 0.0, now)
+            order = list(range(conversations))
+            rng.shuffle(order)  # arrivals in no fixed order
+            for index in order:
+                talk = talks[index]
+                talk.append({"role": "user", "content": f"question {index}.{turn} " + "about it " * 30})
+                body = {"model": "m", "messages": list(talk)}
+                key = policy.key(Exchange("r", "chat/completions", [], b"", body, 0.0))
+                endpoint, _ = policy.pick(key, pool, now)
+                policy.served(key, endpoint, now)
+                flight[endpoint] += 1
+                served[endpoint] += 1
+                endpoint.scraped(0.0, float(flight[endpoint]), 0.0, now)
+                if turn:
+                    later += 1
+                    stayed += endpoint is placed[index]
+                placed[index] = endpoint
+                talk.append({"role": "assistant", "content": f"answer {index}.{turn} " + "it is so " * 25})
+        for endpoint in pool:
+            await endpoint.aclose()
+        return stayed, later, [served[endpoint] for endpoint in pool]
+
+    return asyncio.run(measure())
+
+
 def start_replica() -> tuple[subprocess.Popen[bytes], str]:
     command = [sys.executable, "-m", "gateway.cli", "sim", "--replicas", "1", "--port", "0", *SIM_FLAGS]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -167,7 +167,7 @@ def hide_usage(data: bytes, cut: bool = True) -> tuple[bytes, bytes, list[tuple[
             usage = _usage_object(match.group(1)) if start >= 0 and end > 0 else None
             if usage is None:
                 continue
-            alone = USAGE_EVENT.search(out, start, match.start()) is not None
+            alone = USAGE_EVENT.search(out, start, end) is not None  # `"choices":[]`, before or after it
             found.append((usage, alone))
             if not cut:
                 continue

@@ -208,7 +208,8 @@ def choices_stream(usage: bool) -> list[bytes]:
     def used(completion: int) -> bytes:
         counts = {"completion_tokens": completion, "prompt_tokens": 3, "total_tokens": 3 + completion}
         details = {"prompt_tokens_details": {"cached_tokens": 2}}
-        return event({**HEAD, "choices": [], "timings": {"prompt_n": 1}, "usage": {**counts, **details}})
+        # `choices` after `usage` (as a dict updated in place writes them): either order is a usage-only chunk.
+        return event({**HEAD, "timings": {"prompt_n": 1}, "usage": {**counts, **details}, "choices": []})
 
     parts = [piece(0, "a"), piece(1, "b"), piece(1, None, "stop")]
     if usage:

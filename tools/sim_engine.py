@@ -36,6 +36,9 @@ from tools.sim_http import Handler, Response, json_response
 LIKES = ("vllm", "tgi", "llamacpp", "ollama")
 # Requests running at once unless told: Ollama runs one at a time (OLLAMA_NUM_PARALLEL defaults to 1).
 BATCH = {"vllm": 8, "tgi": 8, "llamacpp": 8, "ollama": 1}
+# Prefix-cache granularity unless told, (block_tokens, cache_blocks): vLLM's 16-token blocks; llama.cpp reuses a
+# cached prompt token by token (its slot's common prefix), so one token a block, the same 16,384 tokens in all.
+CACHE = {"vllm": (16, 1024), "tgi": (16, 1024), "llamacpp": (1, 16384), "ollama": (16, 1024)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ or for `n > 1` from every event that has one, since a choice that ends early sen
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
 # the upstream was asked for, or count events because the upstream cannot report it.
 PASS, HIDE, COUNT = 0, 1, 2
 SPACE = b" \t\r\n"
+Found = Sequence[tuple[dict[str, Any], bool]]  # usage objects, and whether each had a chunk of its own
+NOTHING: Found = ()
 COMMA = ord(",")
 
 
@@ -144,7 +147,7 @@ def add_choice(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
     return summed
 
 
-def hide_usage(data: bytes, cut: bool = True) -> tuple[bytes, bytes, list[tuple[dict[str, Any], bool]]]:
+def hide_usage(data: bytes, cut: bool = True) -> tuple[bytes, bytes, Found]:
     """(what to send now, what to hold back, the usage found) for the stream read so far.
 
     Everything up to the last complete event goes now; an unfinished event waits for the next read. Each usage
@@ -157,48 +160,55 @@ def hide_usage(data: bytes, cut: bool = True) -> tuple[bytes, bytes, list[tuple[
         lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
         end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
         out, held = data[:end], data[end:]
-    found: list[tuple[dict[str, Any], bool]] = []
-    if USAGE_OPEN in out or USAGE_OPEN_SPACED in out:  # one substring test per read; the rest only here
-        kept = []
-        at = 0
-        for match in USAGE.finditer(out):
-            start = out.rfind(b"data:", at, match.start())
-            end = _event_end(out, match.end())
-            usage = _usage_object(match.group(1)) if start >= 0 and end > 0 else None
-            if usage is None:
-                continue
-            alone = USAGE_EVENT.search(out, start, end) is not None  # `"choices":[]`, before or after it
-            found.append((usage, alone))
-            if not cut:
-                continue
-            if alone:
-                kept.append(out[at:start])
-            else:
-                # The member and one comma beside it: `,"usage":{...}` as usage is usually last, else `"usage":{...},`.
-                left, right = match.start(), match.end()
-                before = left
-                while before > start and out[before - 1] in SPACE:
-                    before -= 1
-                if out[before - 1] == COMMA:
-                    left = before - 1
-                else:
-                    after = right
-                    while after < end and out[after] in SPACE:
-                        after += 1
-                    if out[after] == COMMA:
-                        right = after + 1
-                kept.append(out[at:left])
-                end = right
-            at = end
-        if at:
-            kept.append(out[at:])
-            out = b"".join(kept)
+    found: Found = NOTHING
+    if USAGE_OPEN in out or USAGE_OPEN_SPACED in out:  # a substring test per read; the rest only here
+        out, found = _take_usage(out, cut)
     if cut:
         if NULL_USAGE in out:
             out = out.replace(NULL_USAGE, b"")
         if NULL_USAGE_SPACED in out:
             out = out.replace(NULL_USAGE_SPACED, b"")
     return out, held, found
+
+
+def _take_usage(out: bytes, cut: bool) -> tuple[bytes, Found]:
+    """The usage objects in complete events `out`, and `out` without them (with `cut`)."""
+    found = []
+    kept = []
+    at = 0
+    for match in USAGE.finditer(out):
+        start = out.rfind(b"data:", at, match.start())
+        end = _event_end(out, match.end())
+        usage = _usage_object(match.group(1)) if start >= 0 and end > 0 else None
+        if usage is None:
+            continue
+        alone = USAGE_EVENT.search(out, start, end) is not None  # `"choices":[]`, before or after it
+        found.append((usage, alone))
+        if not cut:
+            continue
+        if alone:
+            kept.append(out[at:start])
+        else:
+            # The member and one comma beside it: `,"usage":{...}` as usage is usually last, else `"usage":{...},`.
+            left, right = match.start(), match.end()
+            before = left
+            while before > start and out[before - 1] in SPACE:
+                before -= 1
+            if out[before - 1] == COMMA:
+                left = before - 1
+            else:
+                after = right
+                while after < end and out[after] in SPACE:
+                    after += 1
+                if out[after] == COMMA:
+                    right = after + 1
+            kept.append(out[at:left])
+            end = right
+        at = end
+    if at:
+        kept.append(out[at:])
+        out = b"".join(kept)
+    return out, found
 
 
 def _usage_object(raw: bytes) -> dict[str, Any] | None:

@@ -133,6 +133,7 @@ def test_llamacpp_n_up_to_its_slots_with_every_choice_counted() -> None:
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="chat", messages=MESSAGES, n=SLOTS + 1, max_tokens=100)
         assert f"1 <= value <= {SLOTS}" in refused.value.message
+        assert refused.value.param == "n"  # named from the server's message, which has no `param`
         # Every one of them cost its usage: 7 x 6 tokens and the prompts, not n x the default reservation.
         left = remaining(gw, 10)
         assert left > 4000 - 7 * TOKENS - 200, left

@@ -105,6 +105,9 @@ class UpstreamTimeoutError(GatewayError):
     status, type, code = 504, "upstream_error", "upstream_timeout"
 
 
+FIELD = "Field '"
+
+
 def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:
     """An upstream's error response in our shape, with its status. Unknown bodies are quoted, shortened.
 
@@ -139,6 +142,10 @@ def from_upstream(status: int, body: bytes, backend: str) -> GatewayError:
         message = f"backend {backend!r} answered {status}" + (f": {text}" if text else "")
     if type_ is None:
         type_ = "invalid_request_error" if 400 <= status < 500 else "upstream_error"
+    if param is None and message.startswith(FIELD):
+        # llama.cpp names the parameter in its message only ("Field 'n': Value must be between 1 <= value <= 4").
+        end = message.find("'", len(FIELD))
+        param = message[len(FIELD) : end] if end > len(FIELD) else None
     result = GatewayError(message, status=status, type=type_, code=code, param=param)
     result.details = details
     return result

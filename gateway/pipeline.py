@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import errors
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
 from gateway.server import request
-from gateway.server.relay import find_usage, relay_stream, usage_mode
+from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
 from gateway.server.reply import BODY_FOLLOWS, JSON, send_error
 from gateway.telemetry.recorder import server_timing
 from gateway.upstream.attempts import Opened, around_loading
@@ -320,10 +320,16 @@ class Pipeline:
             else:
                 await self._send_whole(send, head, answer.body, outcome, taps)
             return
+        n = ex.json.get("n")
+        choices = n if type(n) is int and n > 1 else 1
         if not ex.stream:
             await self._send_whole(send, head, answer.first, outcome, taps)
             if head.status < 400:
                 outcome.usage = find_usage(answer.first[-2048:])
+                served = ex.served
+                if choices > 1 and outcome.usage is not None and served and served.provider.usage_of_first_choice:
+                    outcome.usage = all_choices_usage(answer.first, outcome.usage)
+                    outcome.usage_source = "estimated"
             return
         try:
             start = {"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True}
@@ -332,7 +338,7 @@ class Pipeline:
             mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
             rules = stream_rules(ex.endpoint)
             await relay_stream(
-                send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode, rules
+                send, answer.response, answer.first, outcome, taps, ex.started, answer.token_at, mode, rules, choices
             )
         finally:
             answer.response.close()

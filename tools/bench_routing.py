@@ -9,8 +9,11 @@ The workload is a multi-turn chat: many conversations share a system prompt; eac
 conversation so far plus a new user message, streamed; turns arrive as a Poisson process at `LOAD` of the
 replicas' estimated capacity. Each policy gets its own backend in one gateway and its own system prompt, so
 no policy starts with a cache another one warmed. Measured per policy: TTFT p50/p99 at the client, the
-prefix-cache hit rate (cached / prompt tokens) and requests per replica. Then the prefix policy runs again
-with one replica killed half-way: every request must still be answered (`failed`: none got an error or no
+prefix-cache hit rate (cached / prompt tokens) and requests per replica. Then round_robin and prefix run
+again with a long shared system prompt (20 KiB, ~3,400 tokens: tool definitions, a shared document), longer
+than the part of a prompt the prefix policy cuts into blocks, so that only its turn marks keep a
+conversation on its replica (`long_prompt_affinity` counts that in-process too). Then the prefix policy runs
+again with one replica killed half-way: every request must still be answered (`failed`: none got an error or no
 first token, which another replica would have taken over); the few streams that replica was in the middle
 of are `cut`, since their first tokens had reached the client. The pick's own cost is measured first,
 in-process (`pick_cost`).
@@ -43,12 +46,14 @@ MAX_BATCH = 4
 LOAD = 0.7
 PREFILL_MS = 1.0  # per uncached prompt token: what a prefix-cache hit saves
 SYSTEM_WORDS = 100  # the shared system prompt; each turn adds USER_WORDS and an answer
+LONG_SYSTEM_CHARS = 20_480  # the long-prompt case: longer than the 16 KiB the prefix policy cuts into blocks
+LONG_POLICIES = ("round_robin", "prefix")
 USER_WORDS = (20, 80)
 MAX_TURNS = 10
 NEW_CONVERSATION = 0.15
 SIM_FLAGS = (
     *("--ttft-ms", "20", "--prefill-ms-per-token", str(PREFILL_MS), "--tpot-ms", "10", "--tokens", "24"),
-    *("--max-batch", str(MAX_BATCH), "--cache-blocks", "4096"),
+    *("--max-batch", str(MAX_BATCH), "--cache-blocks", "4096", "--max-model-len", "32768"),
 )
 LISTENING = re.compile(rb"listening on (http://\S+/v1)")
 
@@ -133,6 +138,65 @@ def pick_cost(endpoints: int = 8, turns: int = 6) -> dict[str, float]:
         for endpoint in pool:
             await endpoint.aclose()
         return results
+
+    return asyncio.run(measure())
+
+
+def long_prompt_affinity(
+    replicas: int = 4, conversations: int = 15, turns: int = 5, system_chars: int = 20_480, **routing: Any
+) -> tuple[int, int, list[int]]:
+    """(later turns that stayed on their conversation's replica, later turns, turns per replica) under
+    `routing: prefix`.
+
+    Conversations share a system prompt longer than the hashed blocks (`max_blocks * block_chars`, 16 KiB by
+    default), so only the turn marks, which cover the whole prompt, can tell them apart. The turns of all
+    conversations come in rounds, each round a burst in a random order: a turn stays in flight on its replica
+    until the round ends, so the load spreads the conversations and weighs against what a replica holds, as
+    in a busy gateway. In-process: the policy's key, pick and served, the load as a scrape would report it;
+    no servers.
+    """
+
+    async def measure() -> tuple[int, int, list[int]]:
+        from gateway.context import Exchange
+        from gateway.settings import RoutingSettings
+        from gateway.upstream.pool import PoolLimits
+        from gateway.upstream.replica import Endpoint
+        from gateway.upstream.route import build
+
+        pool = [Endpoint(f"http://10.0.0.{i}:8000/v1", PoolLimits(), None, False) for i in range(replicas)]
+        policy = build(RoutingSettings(policy="prefix", **routing), 3.0)
+        rng = random.Random(7)
+        rule = " ".join(f"rule{rng.randrange(10_000)}" for _ in range(system_chars // 9))
+        system = {"role": "system", "content": rule[:system_chars]}
+        talks: list[list[dict[str, str]]] = [[system] for _ in range(conversations)]
+        placed: dict[int, Any] = {}
+        stayed = later = 0
+        served = dict.fromkeys(pool, 0)
+        now = time.monotonic()
+        for turn in range(turns):
+            flight = dict.fromkeys(pool, 0)
+            for endpoint in pool:
+                endpoint.scraped(0.0, 0.0, 0.0, now)
+            order = list(range(conversations))
+            rng.shuffle(order)  # arrivals in no fixed order
+            for index in order:
+                talk = talks[index]
+                talk.append({"role": "user", "content": f"question {index}.{turn} " + "about it " * 30})
+                body = {"model": "m", "messages": list(talk)}
+                key = policy.key(Exchange("r", "chat/completions", [], b"", body, 0.0))
+                endpoint, _ = policy.pick(key, pool, now)
+                policy.served(key, endpoint, now)
+                flight[endpoint] += 1
+                served[endpoint] += 1
+                endpoint.scraped(0.0, float(flight[endpoint]), 0.0, now)
+                if turn:
+                    later += 1
+                    stayed += endpoint is placed[index]
+                placed[index] = endpoint
+                talk.append({"role": "assistant", "content": f"answer {index}.{turn} " + "it is so " * 25})
+        for endpoint in pool:
+            await endpoint.aclose()
+        return stayed, later, [served[endpoint] for endpoint in pool]
 
     return asyncio.run(measure())
 
@@ -229,11 +293,17 @@ async def run_phase(
     seed: int,
     kill: subprocess.Popen[bytes] | None = None,
     urls: list[str] | None = None,
+    system_chars: int = 0,
 ) -> Phase:
-    """One policy's turn; with `kill`, that replica is killed half-way, after its count so far (`urls`) is read."""
-    phase = Phase(model if kill is None else f"{model}, one replica killed")
+    """One policy's turn; with `kill`, that replica is killed half-way, after its count so far (`urls`) is read;
+    with `system_chars`, the shared system prompt is that long."""
+    name = model if kill is None else f"{model}, one replica killed"
+    phase = Phase(f"{name}, {system_chars // 1024} KiB system prompt" if system_chars else name)
     rng = random.Random(seed)
-    system = f"System prompt {seed}: " + " ".join(f"rule{rng.randrange(10_000)}" for _ in range(SYSTEM_WORDS))
+    rules = SYSTEM_WORDS if not system_chars else system_chars // 9
+    system = f"System prompt {seed}: " + " ".join(f"rule{rng.randrange(10_000)}" for _ in range(rules))
+    if system_chars:
+        system = system[:system_chars]
     conversations: list[list[dict[str, str]]] = []
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
     async with httpx.AsyncClient(base_url=gateway, timeout=60.0, limits=limits) as http:
@@ -327,6 +397,11 @@ def _run(
                 phase = asyncio.run(run_phase(base, policy, seconds, rate, seed))
                 phase.per_replica = [a - b for a, b in zip(finished(urls), before, strict=True)]
                 phases.append(phase)
+            for seed, policy in enumerate(LONG_POLICIES, start=50):
+                before = finished(urls)
+                phase = asyncio.run(run_phase(base, policy, seconds, rate, seed, system_chars=LONG_SYSTEM_CHARS))
+                phase.per_replica = [a - b for a, b in zip(finished(urls), before, strict=True)]
+                phases.append(phase)
             before = finished(urls)
             killed = asyncio.run(run_phase(base, "prefix", seconds, rate, 99, kill=replicas[-1][0], urls=urls))
             # The killed replica's count is the one read just before it died; the others', at the end.
@@ -352,6 +427,14 @@ def _run(
     print(
         "\nPick cost, 8 endpoints (key + pick + served, µs per request): "
         + ", ".join(f"{name} {us:.1f}" for name, us in costs.items())
+    )
+    affinity = []
+    for count in (2, 3, 4):
+        stayed, later, spread = long_prompt_affinity(replicas=count)
+        affinity.append(f"{count} replicas {stayed}/{later} ({' / '.join(map(str, spread))} turns per replica)")
+    print(
+        f"\nLong shared prompt ({LONG_SYSTEM_CHARS // 1024} KiB), in-process, 15 conversations x 5 turns in bursts:"
+        " later turns that stayed on their replica: " + "; ".join(affinity)
     )
     print(
         "\nfailed: no answer (an error, or nothing before the first token: those are retried on another replica);"

@@ -36,6 +36,9 @@ from tools.sim_http import Handler, Response, json_response
 LIKES = ("vllm", "tgi", "llamacpp", "ollama")
 # Requests running at once unless told: Ollama runs one at a time (OLLAMA_NUM_PARALLEL defaults to 1).
 BATCH = {"vllm": 8, "tgi": 8, "llamacpp": 8, "ollama": 1}
+# Prefix-cache granularity unless told, (block_tokens, cache_blocks): vLLM's 16-token blocks; llama.cpp reuses a
+# cached prompt token by token (its slot's common prefix), so one token a block, the same 16,384 tokens in all.
+CACHE = {"vllm": (16, 1024), "tgi": (16, 1024), "llamacpp": (1, 16384), "ollama": (16, 1024)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,7 @@ class Options:
     load_ms: float = 0.0
     idle_unload_s: float = 300.0
     max_model_len: int = 4096
+    server_version: str = ""  # the release stood in for (TGI's stream shape follows it); empty: the stand-in's own
 
 
 @dataclass(slots=True)
@@ -270,11 +274,13 @@ async def openai(
     model: str,
     error: Callable[[int, bytes], Response] | None = None,
     report_cached: bool = True,
+    ending: Callable[[list[bytes]], list[bytes]] | None = None,
 ) -> Response:
     """An OpenAI-shaped chat or completions answer, paced by the replica.
 
     `error` reshapes a refusal into the stand-in's error format; `report_cached` puts the prefix-cache hit in
-    usage.prompt_tokens_details.cached_tokens (servers that do not report it leave it out).
+    usage.prompt_tokens_details.cached_tokens (servers that do not report it leave it out); `ending` reshapes
+    a stream's last events (the finish chunk, the usage chunk if asked for, `[DONE]`).
     """
     profile = engine.options.profile
     probe = simulate(endpoint, body, model, profile)
@@ -304,7 +310,7 @@ async def openai(
                 await generation.decode()
                 yield piece
             generation.generated(answer_tokens(endpoint, reply.text))
-            yield b"".join(pieces[last:])
+            yield b"".join(ending(pieces[last:]) if ending else pieces[last:])
 
     return Response(200, events(), "text/event-stream")
 

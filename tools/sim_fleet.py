@@ -18,7 +18,7 @@ import uvicorn
 
 from gateway.simulation.answers import Profile
 from tools import sim_llamacpp, sim_ollama, sim_tgi, sim_vllm
-from tools.sim_engine import BATCH, LIKES, Options, Replica
+from tools.sim_engine import BATCH, CACHE, LIKES, Options, Replica
 from tools.sim_http import Request, Response, asgi, bind, server
 
 _BUILDERS: dict[str, Callable[[Options, int], Replica]] = {
@@ -36,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--like", choices=LIKES, help="behave like this server (one replica unless --replicas)")
     p.add_argument("--model", default=defaults.model, help="the model name served")
     p.add_argument("--max-batch", type=int, help="requests running at once (default 8, Ollama 1)")
-    p.add_argument("--cache-blocks", type=int, default=defaults.cache_blocks, help="prefix-cache capacity")
-    p.add_argument("--block-tokens", type=int, default=defaults.block_tokens, help="tokens per cache block")
+    p.add_argument("--cache-blocks", type=int, help="prefix-cache capacity (default 1024, llama.cpp 16384)")
+    p.add_argument("--block-tokens", type=int, help="tokens per cache block (default 16, llama.cpp 1)")
     p.add_argument(
         "--prefill-ms-per-token",
         type=float,
@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-ms", type=float, default=defaults.load_ms, help="model load time")
     p.add_argument("--idle-unload-s", type=float, default=defaults.idle_unload_s, help="Ollama's default keep_alive")
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="context length in tokens")
+    p.add_argument("--server-version", default="", help="the release to stand in for (TGI: its stream shape)")
 
 
 def wanted(args: argparse.Namespace) -> bool:
@@ -68,13 +69,14 @@ def options(args: argparse.Namespace) -> Options:
         model=args.model,
         profile=Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens),
         max_batch=args.max_batch or BATCH[args.like or "vllm"],
-        cache_blocks=args.cache_blocks,
-        block_tokens=args.block_tokens,
+        cache_blocks=args.cache_blocks or CACHE[args.like or "vllm"][1],
+        block_tokens=args.block_tokens or CACHE[args.like or "vllm"][0],
         prefill_ms_per_token=args.prefill_ms_per_token,
         batch_slowdown=args.batch_slowdown,
         load_ms=args.load_ms,
         idle_unload_s=args.idle_unload_s,
         max_model_len=args.max_model_len,
+        server_version=args.server_version,
     )
 
 

@@ -11,8 +11,10 @@ Quirks a gateway meets, with where they come from:
   the shards report ready, so for `load_ms` connections are refused.
 - `model` and `n` are read and ignored: both are marked UNUSED on `ChatRequest` (`router/src/lib.rs`);
   answers name the served model id and carry one choice.
-- `stream_options.include_usage` is honoured (`router/src/chat.rs`: a chunk with empty `choices` and the
-  usage before `[DONE]`); releases before it (huggingface/text-generation-inference#2531) sent none.
+- `stream_options.include_usage` is honoured, in the shape of the release stood in for (`server_version`,
+  3.0.1 unless told): from 2.3 to 3.1 the usage rides on the last content chunk, the one with the finish
+  reason; from 3.2 it is a chunk of its own, with empty `choices`, before `[DONE]`. Releases before 2.3
+  (huggingface/text-generation-inference#2531) sent none.
 - Token limits are validated, and a refusal is TGI's own error shape, not OpenAI's: status 422 with
   `{"error": "Input validation error: ...", "error_type": "validation"}` (`router/src/validation.rs`), when
   the prompt reaches `max_input_tokens` or prompt + `max_tokens` exceeds `max_total_tokens`
@@ -25,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from gateway.wire.completion import sse
 from tools.sim_engine import Engine, Options, Replica, metric_lines, openai, prompt_count, stats_response
 from tools.sim_http import Request, Response, json_response
 
@@ -35,13 +38,15 @@ _ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "co
 
 def build(options: Options, replica: int) -> Replica:
     engine = Engine(options, replica)
+    version = options.server_version or VERSION
+    ending = inline_usage if _release(version) < (3, 2) else None
 
     async def handle(request: Request) -> Response:
         path = request.path
         if path == "/health":
             return Response(200, b"", "text/plain")
         if path == "/info":
-            return json_response(200, info(options))
+            return json_response(200, info(options, version))
         if path == "/v1/models":
             model = {"id": options.model, "object": "model", "created": 0, "owned_by": options.model}
             return json_response(200, {"object": "list", "data": [model]})
@@ -62,12 +67,14 @@ def build(options: Options, replica: int) -> Replica:
             return validation("Failed to deserialize the JSON body into the target type: expected a map")
         body = {key: value for key, value in body.items() if key not in _IGNORED}
         refusal = _limits(options, endpoint, body)
-        return refusal or await openai(engine, endpoint, body, options.model, _reshape, report_cached=False)
+        return refusal or await openai(
+            engine, endpoint, body, options.model, _reshape, report_cached=False, ending=ending
+        )
 
     return Replica(handle, engine, options.load_ms / 1000.0)
 
 
-def info(options: Options) -> dict[str, Any]:
+def info(options: Options, version: str = VERSION) -> dict[str, Any]:
     return {
         "model_id": options.model,
         "model_sha": None,
@@ -82,10 +89,25 @@ def info(options: Options) -> dict[str, Any]:
         "validation_workers": 2,
         "max_client_batch_size": 4,
         "router": "text-generation-router",
-        "version": VERSION,
+        "version": version,
         "sha": None,
         "docker_label": None,
     }
+
+
+def inline_usage(events: list[bytes]) -> list[bytes]:
+    """TGI 2.3 to 3.1: the usage chunk's usage put on the finish chunk before it, and no usage chunk."""
+    if len(events) < 3:
+        return events  # no usage was asked for
+    finish, usage, *rest = events
+    payload = orjson.loads(finish.removeprefix(b"data: ").rstrip())
+    payload["usage"] = orjson.loads(usage.removeprefix(b"data: ").rstrip())["usage"]
+    return [sse(orjson.dumps(payload)), *rest]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """ "3.0.1" as (3, 0, 1); what is not a number counts as 0."""
+    return tuple(int(part) if part.isdigit() else 0 for part in version.split(".")[:3])
 
 
 def validation(message: str) -> Response:

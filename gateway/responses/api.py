@@ -67,6 +67,7 @@ class Owned:
         self.url = getattr(inner, "url", None)
         self.health = inner.health  # read by the attempt loop: a backend known down is tried last
         self.reports_usage = inner.reports_usage
+        self.usage_of_first_choice = inner.usage_of_first_choice
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         if self.owner is not None and self.owner.tenant != ex.tenant:
@@ -82,6 +83,7 @@ class Run:
 
     kind = "background"
     reports_usage = True
+    usage_of_first_choice = False
 
     def __init__(self, background: Background, index: ResponseIndex, system: str) -> None:
         self.background = background

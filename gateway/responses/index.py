@@ -160,6 +160,7 @@ class Indexing:
         self.url = getattr(inner, "url", None)  # read by tracing for the server address
         self.health = inner.health  # read by the attempt loop: a backend known down is tried last
         self.reports_usage = inner.reports_usage
+        self.usage_of_first_choice = inner.usage_of_first_choice
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         response = await self.inner.send(ex, target)

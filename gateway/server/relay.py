@@ -7,16 +7,25 @@ the last two chunks. A failure after the first byte cannot change the status any
 
 Usage for every stream: upstreams are asked for it (`stream_options.include_usage`, see
 providers/http.py) even when the client did not ask, and for such a client the relay hides it again
-(HIDE): the usage-only chunk (`"choices":[]` and a usage object, the last event before `[DONE]`) is cut
-out and the `"usage":null` every other chunk then carries is removed. To do that without parsing chunks,
-the relay holds back only an unfinished event at the end of a read (a client cannot use half an event
-anyway) and looks for `[]` in what it sends. An upstream that cannot report usage (COUNT) has its events
-counted instead, and the outcome says the tokens are estimated.
+(HIDE). Usage comes in one of two shapes: a usage-only chunk (`"choices":[]` and a usage object, the last
+event before `[DONE]`, or one per choice for llama.cpp's `n > 1`), which is cut out; or, as TGI 2.3 to 3.1
+send it, a usage object on the last content chunk (the one with the finish reason), which is cut from that
+chunk, the chunk kept. The `"usage":null` every other chunk then carries is removed. To do that without
+parsing chunks, the relay holds back only an unfinished event at the end of a read (a client cannot use
+half an event anyway) and looks for `"usage":{` in what it sends: a substring test per read, the regex
+and the parse only for the event that has one. An upstream that cannot report usage (COUNT) has its
+events counted instead, and the outcome says the tokens are estimated.
+
+Several usage-only chunks (llama.cpp streams one per choice) are summed: completion tokens added, the
+prompt counted once. A usage on a content chunk is cumulative (TGI's, vLLM's continuous usage): the last
+one counts. A client that asked for usage (PASS) gets the stream unchanged; its usage is read from the tail,
+or for `n > 1` from every event that has one, since a choice that ends early sends its usage mid-stream.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -30,6 +39,8 @@ from gateway.wire.marks import (
     NULL_USAGE_SPACED,
     USAGE,
     USAGE_EVENT,
+    USAGE_OPEN,
+    USAGE_OPEN_SPACED,
     StreamRules,
 )
 
@@ -41,6 +52,10 @@ if TYPE_CHECKING:
 # What the relay does about usage: pass the stream as it is (the client asked for usage), hide the usage
 # the upstream was asked for, or count events because the upstream cannot report it.
 PASS, HIDE, COUNT = 0, 1, 2
+SPACE = b" \t\r\n"
+Found = Sequence[tuple[dict[str, Any], bool]]  # usage objects, and whether each had a chunk of its own
+NOTHING: Found = ()
+COMMA = ord(",")
 
 
 def find_usage(data: bytes) -> dict[str, Any] | None:
@@ -50,17 +65,45 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
         pass
     if found is None:
         return None
-    try:
-        usage = orjson.loads(found.group(1))
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(usage, dict):
-        return None
-    if "input_tokens" in usage and "prompt_tokens" not in usage:
+    usage = _usage_object(found.group(1))
+    if usage is not None and "input_tokens" in usage and "prompt_tokens" not in usage:
         # The Responses API's names; the chat names are added so that every reader of usage sees one shape.
         usage["prompt_tokens"] = usage["input_tokens"]
         usage["completion_tokens"] = usage.get("output_tokens")
     return usage
+
+
+def all_choices_usage(body: bytes, usage: dict[str, Any]) -> dict[str, Any]:
+    """A whole answer's usage when the upstream counted its first choice only (llama.cpp with `n > 1`).
+
+    The other choices' completion tokens are estimated in proportion to their text (the first one's count
+    times the ratio of lengths; times the number of choices when the first is empty). Parses the body: only
+    requests with `n > 1` to such an upstream come here.
+    """
+    completion = usage.get("completion_tokens")
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return usage
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(completion, int) or not isinstance(choices, list) or len(choices) < 2:
+        return usage
+    lengths = [len(_choice_text(choice)) for choice in choices]
+    first = lengths[0]
+    estimate = round(completion * sum(lengths) / first) if first else completion * len(choices)
+    estimated = {**usage, "completion_tokens": estimate}
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int):
+        estimated["total_tokens"] = prompt + estimate
+    return estimated
+
+
+def _choice_text(choice: Any) -> str:
+    if not isinstance(choice, dict):
+        return ""
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def usage_mode(include_usage: bool, reports_usage: bool) -> int:
@@ -70,35 +113,110 @@ def usage_mode(include_usage: bool, reports_usage: bool) -> int:
     return HIDE if reports_usage else COUNT
 
 
-def hide_usage(data: bytes) -> tuple[bytes, bytes, dict[str, Any] | None]:
+class Tally:
+    """The usage a stream has reported so far: usage-only chunks summed (one per choice), the last inline one."""
+
+    __slots__ = ("inline", "summed")
+
+    def __init__(self) -> None:
+        self.summed: dict[str, Any] | None = None
+        self.inline: dict[str, Any] | None = None
+
+    def add(self, usage: dict[str, Any], alone: bool) -> None:
+        if not alone:
+            self.inline = usage  # cumulative: the last one is the whole
+        elif self.summed is None:
+            self.summed = usage
+        else:
+            self.summed = add_choice(self.summed, usage)
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self.summed if self.summed is not None else self.inline
+
+
+def add_choice(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """`total` with another choice's usage added: its completion tokens; the prompt is the same one, counted once."""
+    done, extra = total.get("completion_tokens"), more.get("completion_tokens")
+    if not (isinstance(done, int) and isinstance(extra, int)):
+        return total
+    summed = {**total, "completion_tokens": done + extra}
+    prompt = total.get("prompt_tokens")
+    if isinstance(prompt, int):
+        summed["total_tokens"] = prompt + done + extra
+    return summed
+
+
+def hide_usage(data: bytes, cut: bool = True) -> tuple[bytes, bytes, Found]:
     """(what to send now, what to hold back, the usage found) for the stream read so far.
 
-    Everything up to the last complete event goes now; an unfinished event waits for the next read. A usage
-    chunk among the complete events is cut out and its usage returned.
+    Everything up to the last complete event goes now; an unfinished event waits for the next read. Each usage
+    among the complete events is returned with whether its chunk was usage-only; with `cut`, a usage-only chunk
+    is cut out, a usage on a content chunk cut from it (the chunk kept), and `"usage":null` removed.
     """
     if data.endswith(b"\n\n") or data.endswith(b"\r\n\r\n"):
         out, held = data, b""
     else:
         lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-        cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        out, held = data[:cut], data[cut:]
-    usage = None
-    if b"[]" in out:  # a usage chunk has empty choices; content can hold "[]" too, so look closer
-        found = None
-        for found in USAGE_EVENT.finditer(out):  # noqa: B007 - the last match is the one wanted
-            pass
-        if found is not None:
-            start = out.rfind(b"data:", 0, found.start())
-            end = _event_end(out, found.end())
-            if start >= 0 and end > 0:
-                usage = find_usage(out[start:end])
-                if usage is not None:
-                    out = out[:start] + out[end:]
-    if NULL_USAGE in out:
-        out = out.replace(NULL_USAGE, b"")
-    if NULL_USAGE_SPACED in out:
-        out = out.replace(NULL_USAGE_SPACED, b"")
-    return out, held, usage
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        out, held = data[:end], data[end:]
+    found: Found = NOTHING
+    if USAGE_OPEN in out or USAGE_OPEN_SPACED in out:  # a substring test per read; the rest only here
+        out, found = _take_usage(out, cut)
+    if cut:
+        if NULL_USAGE in out:
+            out = out.replace(NULL_USAGE, b"")
+        if NULL_USAGE_SPACED in out:
+            out = out.replace(NULL_USAGE_SPACED, b"")
+    return out, held, found
+
+
+def _take_usage(out: bytes, cut: bool) -> tuple[bytes, Found]:
+    """The usage objects in complete events `out`, and `out` without them (with `cut`)."""
+    found = []
+    kept = []
+    at = 0
+    for match in USAGE.finditer(out):
+        start = out.rfind(b"data:", at, match.start())
+        end = _event_end(out, match.end())
+        usage = _usage_object(match.group(1)) if start >= 0 and end > 0 else None
+        if usage is None:
+            continue
+        alone = USAGE_EVENT.search(out, start, end) is not None  # `"choices":[]`, before or after it
+        found.append((usage, alone))
+        if not cut:
+            continue
+        if alone:
+            kept.append(out[at:start])
+        else:
+            # The member and one comma beside it: `,"usage":{...}` as usage is usually last, else `"usage":{...},`.
+            left, right = match.start(), match.end()
+            before = left
+            while before > start and out[before - 1] in SPACE:
+                before -= 1
+            if out[before - 1] == COMMA:
+                left = before - 1
+            else:
+                after = right
+                while after < end and out[after] in SPACE:
+                    after += 1
+                if out[after] == COMMA:
+                    right = after + 1
+            kept.append(out[at:left])
+            end = right
+        at = end
+    if at:
+        kept.append(out[at:])
+        out = b"".join(kept)
+    return out, found
+
+
+def _usage_object(raw: bytes) -> dict[str, Any] | None:
+    try:
+        usage = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 def _event_end(data: bytes, at: int) -> int:
@@ -120,23 +238,32 @@ async def relay_stream(
     first_token_at: float = 0.0,
     usage_mode: int = PASS,
     rules: StreamRules = CHAT_RULES,
+    choices: int = 1,
 ) -> None:
-    """Pass an SSE body through; fill in `outcome` (TTFT, TPOT, usage, completeness) as it goes."""
+    """Pass an SSE body through; fill in `outcome` (TTFT, TPOT, usage, completeness) as it goes.
+
+    `choices`: the request's `n`, when it asked for more than one.
+    """
     chunk = first
     prev = prev2 = held = b""
     last_at = 0.0
     chunks = events = 0
-    usage = None
+    tally = Tally()
+    # n > 1: a choice that ends early may send its usage chunk mid-stream, so every event is looked at.
+    scan = usage_mode == HIDE or (usage_mode == PASS and choices > 1)
     try:
         while chunk:
             chunks += 1
             if not first_token_at and rules.first_token.search(chunk):
                 first_token_at = time.perf_counter()
             out = chunk
-            if usage_mode == HIDE:
-                out, held, found = hide_usage(held + chunk if held else chunk)
-                if found is not None:
-                    usage = found
+            if scan:
+                cut = usage_mode == HIDE
+                seen, held, found = hide_usage(held + chunk if held else chunk, cut)
+                if cut:
+                    out = seen
+                for usage, alone in found:
+                    tally.add(usage, alone)
             elif usage_mode == COUNT:
                 events += chunk.count(b"data:")
             if out:
@@ -161,7 +288,7 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": event, "more_body": False})
     else:
         outcome.complete = True
-        if held:  # an unfinished last event: passed on as the upstream sent it
+        if held and usage_mode == HIDE:  # an unfinished last event: passed on as the upstream sent it
             for tap in taps:
                 tap(held)
             await send({"type": "http.response.body", "body": held, "more_body": True})
@@ -169,7 +296,7 @@ async def relay_stream(
             tap(b"")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     outcome.chunks = chunks
-    outcome.usage = usage if usage_mode == HIDE else find_usage(tail)
+    outcome.usage = tally.usage if scan else find_usage(tail)
     if outcome.usage is None and usage_mode == COUNT and events > 2:
         # Every event but the finish chunk and [DONE] roughly one token; no total, so nothing is corrected
         # by it (the rate limiter keeps its estimate).
@@ -178,5 +305,7 @@ async def relay_stream(
     if first_token_at:
         outcome.ttft_ms = (first_token_at - started) * 1000.0
         tokens = (outcome.usage or {}).get("completion_tokens")
+        if isinstance(tokens, int) and choices > 1:
+            tokens //= choices  # the choices are generated side by side
         if isinstance(tokens, int) and tokens > 1 and last_at > first_token_at:
             outcome.tpot_ms = (last_at - first_token_at) * 1000.0 / (tokens - 1)

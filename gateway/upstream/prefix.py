@@ -12,7 +12,7 @@ from operator import itemgetter
 from typing import Any
 
 # A prompt's key: the chained hashes of its blocks (ending at `block_ends`), the turn marks to look up (offset,
-# hash), and the hash of the whole prompt, which the endpoint that serves it remembers (0: too long to hash).
+# hash), and the hash of the whole prompt, which the endpoint that serves it remembers (0: an empty prompt).
 Blocks = tuple[list[int], list[tuple[int, int]], int]
 
 
@@ -50,13 +50,18 @@ def prompt_blocks(body: dict[str, Any], ends: list[int]) -> Blocks:
     Blocks end at fixed places, turns do not: the whole prompt's hash is remembered too, and a request looks
     up, besides its blocks, the prompt its last assistant message answered (the previous turn, whole) and its
     own whole prompt. A mark's hash is that of (the last block's hash before it, the text from there), so it
-    does not depend on where other turns ended. Only the first `ends[-1]` characters are looked at.
+    does not depend on where other turns ended.
+
+    Blocks stop at `ends[-1]` characters, the marks do not: a prompt longer than that (a shared document, tool
+    definitions) has the same blocks as every other conversation that shares its head, and only its marks tell
+    the conversations apart, so they cover the text past the last block too, whatever its length. That costs
+    a long prompt one more pass of SipHash over its tail (about a microsecond per 10 KiB), a short one
+    nothing.
     """
-    limit = ends[-1]
     answered = 0  # where the prompt that the last assistant message answered ends
     messages = body.get("messages")
     if isinstance(messages, list):
-        text, answered = _chat_text(messages, limit)
+        text, answered = _chat_text(messages)
     else:
         prompt = body.get("prompt")
         text = prompt if isinstance(prompt, str) else ""
@@ -69,9 +74,9 @@ def prompt_blocks(body: dict[str, Any], ends: list[int]) -> Blocks:
         running = hash((running, text[start:end]))
         hashes.append(running)
         start = end
-    whole = hash((running, text[start:])) if length <= limit else 0
+    whole = hash((running, text[start:])) if length else 0
     marks = []
-    if 0 < answered <= limit:
+    if answered > 0:
         index = bisect_right(ends, answered) - 1 if answered >= ends[0] else -1
         base, at = (hashes[index], ends[index]) if index >= 0 else (seed, 0)
         marks.append((answered, hash((base, text[at:answered]))))
@@ -80,12 +85,11 @@ def prompt_blocks(body: dict[str, Any], ends: list[int]) -> Blocks:
     return hashes, marks, whole
 
 
-def _chat_text(messages: list[Any], limit: int) -> tuple[str, int]:
+def _chat_text(messages: list[Any]) -> tuple[str, int]:
     """The messages' roles and texts joined by a separator, and where the last assistant message's prompt ends.
 
     Messages of string roles and contents take one comprehension and one join in C (a huge prompt is copied
-    once, nothing next to its prefill); anything else (content arrays, a missing role) takes the walk, which
-    stops copying at `limit`.
+    once, nothing next to its prefill); anything else (content arrays, a missing role) takes the walk.
     """
     try:
         parts = list(chain.from_iterable(map(ROLE_AND_CONTENT, messages)))
@@ -119,8 +123,6 @@ def _chat_text(messages: list[Any], limit: int) -> tuple[str, int]:
         append(role)
         append(content)
         size += len(role) + len(content) + 2
-        if size >= limit:  # the rest is never hashed: do not copy it
-            break
     return "\x1e".join(parts), answered
 
 

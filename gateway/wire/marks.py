@@ -18,6 +18,8 @@ USAGE = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
 DONE = b"data: [DONE]"
 DONE_MARK = re.compile(re.escape(DONE))
 USAGE_EVENT = re.compile(rb'"choices":\s*\[\s*\]')
+USAGE_OPEN = b'"usage":{'
+USAGE_OPEN_SPACED = b'"usage": {'
 NULL_USAGE = b',"usage":null'
 NULL_USAGE_SPACED = b', "usage": null'
 

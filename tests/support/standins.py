@@ -25,7 +25,7 @@ import uvicorn
 
 from gateway.simulation.answers import Profile
 from tools import sim_fleet
-from tools.sim_engine import BATCH, Options
+from tools.sim_engine import BATCH, CACHE, Options
 
 FAST = Profile(ttft_ms=5.0, tpot_ms=2.0, tokens=6)
 
@@ -68,7 +68,13 @@ def standin(
     `options` are `Options` fields, and `ttft_ms`, `tpot_ms`, `tokens` change the profile (FAST unless told).
     """
     timing = {name: options.pop(name) for name in ("ttft_ms", "tpot_ms", "tokens") if name in options}
-    defaults = {"profile": dataclasses.replace(FAST, **timing), "max_batch": BATCH[like]}
+    block_tokens, cache_blocks = CACHE[like]
+    defaults = {
+        "profile": dataclasses.replace(FAST, **timing),
+        "max_batch": BATCH[like],
+        "block_tokens": block_tokens,
+        "cache_blocks": cache_blocks,
+    }
     chosen = Options(like=like, **{**defaults, **options})
     bound = sim_fleet.sockets("127.0.0.1", 0, replicas)
     running = Standins([sock.getsockname()[1] for sock in bound])

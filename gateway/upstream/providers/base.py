@@ -38,7 +38,8 @@ class UpstreamResponse(Protocol):
 class Provider(Protocol):
     kind: ClassVar[str]  # the backend type in the config
     system: ClassVar[str]  # gen_ai.provider.name
-    reports_usage: bool  # a stream reports its usage in a last chunk (see streaming.py)
+    reports_usage: bool  # a stream reports its usage in a last chunk (see server/relay.py)
+    usage_of_first_choice: bool  # a whole answer's usage counts its first choice only (llama.cpp's n > 1)
     health: Health  # up, down or warming; the request path reads `health.down` only
 
     async def start(self) -> None:

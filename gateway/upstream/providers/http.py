@@ -76,6 +76,9 @@ class HttpProvider:
     # Whether a stream can be asked for its usage (`stream_options.include_usage`); without it the relay
     # counts events instead.
     reports_usage = True
+    # Whether a whole answer with `n > 1` has the usage of its first choice only (the accounting estimates
+    # the others: server/relay.py's all_choices_usage).
+    usage_of_first_choice = False
 
     def __init__(self, name: str, backend: RemoteBackend, pool: PoolSettings) -> None:
         self.name = name

@@ -102,6 +102,7 @@ class SimulatedProvider:
     kind: ClassVar[str] = "simulated"
     system: ClassVar[str] = "openai"
     reports_usage = True
+    usage_of_first_choice = False
 
     def __init__(self, profile: Profile, name: str = "simulated") -> None:
         self.profile = profile

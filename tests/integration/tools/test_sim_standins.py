@@ -38,7 +38,10 @@ async def test_each_stand_in_answers_the_sdk_streamed_and_not(like: str) -> None
     usage = [chunk.usage for chunk in chunks if chunk.usage is not None]
     assert len(usage) == 1
     assert usage[0].completion_tokens == 5
-    assert chunks[-1].choices == []
+    if like == "tgi":  # 2.3 to 3.1 (the stand-in is 3.0.1 unless told): on the finish chunk
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    else:
+        assert chunks[-1].choices == []
 
 
 @pytest.mark.parametrize("like", ["vllm", "tgi", "llamacpp"])
@@ -83,13 +86,54 @@ async def test_llamacpp_is_503_while_loading_then_healthy() -> None:
         assert server.stats()["loads"] == 1
 
 
-async def test_llamacpp_refuses_n_above_one_and_names_its_own_model() -> None:
+async def test_llamacpp_takes_n_up_to_its_slots_and_names_its_own_model() -> None:
+    with standin("llamacpp", max_batch=2) as server:
+        async with client(server) as sdk:
+            with pytest.raises(BadRequestError, match=r"Field 'n': Value must be between 1 <= value <= 2, but got 3"):
+                await sdk.chat.completions.create(model="sim", messages=MESSAGES, n=3)
+            answer = await sdk.chat.completions.create(model="anything", messages=MESSAGES)
+            both = await sdk.chat.completions.create(model="sim", messages=MESSAGES, n=2)
+            stream = await sdk.chat.completions.create(
+                model="sim", messages=MESSAGES, n=2, stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [chunk async for chunk in stream]
+        async with httpx.AsyncClient() as http:
+            slots = (await http.get(server.url + "/slots")).json()
+    assert answer.model == "sim"
+    assert [c.message.content for c in both.choices] == [answer.choices[0].message.content] * 2
+    assert both.usage is not None
+    assert both.usage.completion_tokens == 6
+    # The choices interleave; each ends with its finish chunk and its own usage chunk, which has `timings`.
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    usages = [c for c in chunks if c.usage is not None]
+    assert [c.choices for c in usages] == [[], []]
+    assert all(c.usage and c.usage.completion_tokens == 6 for c in usages)
+    assert all((c.model_extra or {}).get("timings", {}).get("predicted_n") == 6 for c in usages)
+    assert [slot["id"] for slot in slots] == [0, 1]
+    assert not any(slot["is_processing"] for slot in slots)
+
+
+async def test_llamacpp_metrics_and_prompt_cache_as_the_server_reports_them() -> None:
+    words = " ".join(["word"] * 60)
+    long: Any = [{"role": "user", "content": words}]
     with standin("llamacpp") as server:
         async with client(server) as sdk:
-            with pytest.raises(BadRequestError, match="Only one completion choice is allowed"):
-                await sdk.chat.completions.create(model="sim", messages=MESSAGES, n=2)
-            answer = await sdk.chat.completions.create(model="anything", messages=MESSAGES)
-    assert answer.model == "sim"
+            first = await sdk.chat.completions.create(model="sim", messages=long)
+            again = await sdk.chat.completions.create(model="sim", messages=long)
+        metrics = server.metrics()
+    assert first.usage is not None
+    assert again.usage is not None
+    cached = again.usage.prompt_tokens_details
+    assert cached is not None
+    prompt = first.usage.prompt_tokens
+    # Reused token by token, as a slot's common prefix is; the last token is always computed again.
+    assert cached.cached_tokens == prompt - 1
+    assert (again.model_extra or {})["timings"]["cache_n"] == cached.cached_tokens
+    # Computed tokens exclude the cached ones; the cached ones are a counter of their own.
+    assert metrics["llamacpp:prompt_tokens_total"] == 2 * prompt - cached.cached_tokens
+    assert metrics["llamacpp:prompt_tokens_cached_total"] == cached.cached_tokens
+    assert metrics["llamacpp:tokens_predicted_total"] == 12
+    assert "llamacpp:kv_cache_usage_ratio" not in metrics  # gone from current builds
 
 
 @pytest.mark.parametrize("like", ["tgi", "vllm"])
@@ -127,6 +171,28 @@ async def test_tgi_info_limits_and_its_own_error_shape() -> None:
             answer = await sdk.chat.completions.create(model="tgi", messages=MESSAGES, n=3)
     assert answer.model == "org/tgi-model"
     assert len(answer.choices) == 1  # model and n are ignored
+
+
+@pytest.mark.parametrize(("version", "own_chunk"), [("2.3.0", False), ("3.1.1", False), ("3.2.0", True)])
+async def test_tgi_streams_usage_in_the_shape_of_its_release(version: str, own_chunk: bool) -> None:
+    with standin("tgi", server_version=version) as server:
+        async with client(server) as sdk:
+            stream = await sdk.chat.completions.create(
+                model="tgi", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [chunk async for chunk in stream]
+        async with httpx.AsyncClient() as http:
+            info = (await http.get(server.url + "/info")).json()
+    assert info["version"] == version
+    (carrier,) = [c for c in chunks if c.usage is not None]
+    assert carrier is chunks[-1]
+    assert carrier.usage is not None
+    assert carrier.usage.completion_tokens == 6
+    if own_chunk:
+        assert carrier.choices == []
+        assert chunks[-2].choices[0].finish_reason == "stop"
+    else:
+        assert carrier.choices[0].finish_reason == "stop"
 
 
 async def test_vllm_refusals_and_its_stream_options_rules() -> None:

@@ -50,7 +50,7 @@ class Upstream:
         return self.reads.pop(0) if self.reads else b""
 
 
-async def relay(reads: list[bytes], mode: int) -> tuple[bytes, bytes, Outcome]:
+async def relay(reads: list[bytes], mode: int, choices: int = 1) -> tuple[bytes, bytes, Outcome]:
     sent: list[bytes] = []
     tapped: list[bytes] = []
 
@@ -59,7 +59,7 @@ async def relay(reads: list[bytes], mode: int) -> tuple[bytes, bytes, Outcome]:
 
     outcome = Outcome(status=200)
     upstream: Any = Upstream(reads)
-    await relay_stream(send, upstream, reads[0], outcome, (tapped.append,), 0.0, 0.0, mode)
+    await relay_stream(send, upstream, reads[0], outcome, (tapped.append,), 0.0, 0.0, mode, choices=choices)
     return b"".join(sent), b"".join(tapped), outcome
 
 
@@ -161,3 +161,79 @@ def test_streams_are_asked_for_usage_once_and_nothing_else_changes() -> None:
     assert body_sent(base) == {"unchanged": True}
     assert body_sent(stream, usage=False) == {"unchanged": True}
     assert body_sent(base, model="up") == {**base, "model": "up"}
+
+
+def tgi_stream(usage: bool, spaced: bool = False) -> list[bytes]:
+    """TGI 2.3 to 3.1: the usage on the last content chunk (the finish reason's), no usage-only chunk."""
+    parts = [chunk("Hi", usage=usage), chunk(' "usage":{} ', usage=usage)]
+    finish: dict[str, Any] = {**HEAD, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    if usage:
+        finish["usage"] = USAGE
+    last = event(finish)
+    if spaced:  # as Python's json writes it
+        last = last.replace(b'"usage":{', b'"usage": {').replace(b'],"usage"', b'], "usage"')
+    return [*parts, last, DONE]
+
+
+async def test_usage_on_the_last_content_chunk_is_counted_and_cut_from_that_chunk_only() -> None:
+    upstream, wanted = b"".join(tgi_stream(usage=True)), b"".join(tgi_stream(usage=False))
+    for cut in range(1, len(upstream)):
+        client, tapped, outcome = await relay(splits(upstream, cut), HIDE)
+        assert client == wanted, cut
+        assert tapped == wanted
+        assert outcome.usage == USAGE
+        assert outcome.complete
+    client, _, outcome = await relay(tgi_stream(usage=True, spaced=True), HIDE)
+    assert client == b"".join(tgi_stream(usage=False))
+    assert outcome.usage == USAGE
+    last = orjson.loads(client.split(b"\n\n")[-3][len(b"data: ") :])
+    assert last["choices"][0]["finish_reason"] == "length"  # the chunk is kept, only its usage goes
+    assert "usage" not in last
+
+
+async def test_usage_on_the_last_content_chunk_reaches_a_client_that_asked_unchanged() -> None:
+    events = tgi_stream(usage=True)
+    client, _, outcome = await relay(events, PASS)
+    assert client == b"".join(events)
+    assert outcome.usage == USAGE
+
+
+def choices_stream(usage: bool) -> list[bytes]:
+    """llama.cpp with n=2: the choices interleave, each ends with its own finish chunk and usage-only chunk."""
+
+    def piece(index: int, content: str | None, finish: str | None = None) -> bytes:
+        delta = {} if content is None else {"content": content}
+        return event({**HEAD, "choices": [{"index": index, "delta": delta, "finish_reason": finish}]})
+
+    def used(completion: int) -> bytes:
+        counts = {"completion_tokens": completion, "prompt_tokens": 3, "total_tokens": 3 + completion}
+        details = {"prompt_tokens_details": {"cached_tokens": 2}}
+        # `choices` after `usage` (as a dict updated in place writes them): either order is a usage-only chunk.
+        return event({**HEAD, "timings": {"prompt_n": 1}, "usage": {**counts, **details}, "choices": []})
+
+    parts = [piece(0, "a"), piece(1, "b"), piece(1, None, "stop")]
+    if usage:
+        parts.append(used(2))
+    parts += [piece(0, "c"), piece(0, "d"), piece(0, None, "length")]
+    if usage:
+        parts.append(used(4))
+    return [*parts, DONE]
+
+
+async def test_one_usage_chunk_per_choice_is_summed_and_every_one_hidden() -> None:
+    upstream, wanted = b"".join(choices_stream(usage=True)), b"".join(choices_stream(usage=False))
+    summed = {
+        "completion_tokens": 6,
+        "prompt_tokens": 3,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    for cut in range(1, len(upstream), 7):
+        client, _, outcome = await relay(splits(upstream, cut), HIDE)
+        assert client == wanted, cut
+        assert outcome.usage == summed
+    events = choices_stream(usage=True)
+    for reads in (events, [b"".join(events)], [events[0], b"".join(events[1:4]), b"".join(events[4:])]):
+        client, _, outcome = await relay(reads, PASS, choices=2)
+        assert client == b"".join(events)
+        assert outcome.usage == summed

@@ -8,6 +8,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import pytest
+
 from gateway.settings import OpenAIBackend, RoutingSettings
 from gateway.upstream.endpoints import Endpoints
 from gateway.upstream.health import Health
@@ -16,6 +18,7 @@ from gateway.upstream.prefix import block_ends, prompt_blocks
 from gateway.upstream.replica import Endpoint, parse_load
 from gateway.upstream.route import Prefix, Session
 from tests.support.upstream import ScriptedUpstream
+from tools.bench_routing import long_prompt_affinity
 
 LIMITS = PoolLimits(warm=1, connect_timeout=1.0)
 
@@ -35,9 +38,12 @@ def test_prompt_blocks_chain_so_a_later_turn_shares_the_earlier_turns_blocks() -
     other = prompt_blocks(chat("c" + first[1:], "b" * 700), ends)[0]
     assert not set(other) & set(two)  # a block's hash covers everything before it
     assert prompt_blocks({"model": "n", "messages": chat(first)["messages"]}, ends)[0] != one  # and the model
-    # Only the leading prompt is hashed, however long the request; nor is so long a prompt remembered whole.
+    # Only the leading prompt is cut into blocks, however long the request; its marks cover all of it.
     head = prompt_blocks(chat("x" * 2000), ends)[0][:4]
-    assert prompt_blocks(chat("x" * 1_000_000), block_ends(256, 4)) == (head, [], 0)
+    huge = prompt_blocks(chat("x" * 1_000_000), block_ends(256, 4))
+    assert huge[0] == head
+    assert huge[2]
+    assert huge[1] == [(len("user\x1e") + 1_000_000, huge[2])]
     assert prompt_blocks({"model": "m", "prompt": "p" * 300}, block_ends(256, 4))[0] != []
     parts = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a" * 700}]}]}
     assert prompt_blocks(parts, ends)[0] == one
@@ -46,6 +52,29 @@ def test_prompt_blocks_chain_so_a_later_turn_shares_the_earlier_turns_blocks() -
     turn = {"model": "m", "messages": [*chat(first)["messages"], answer, {"role": "user", "content": "more"}]}
     assert prompt_blocks(turn, ends)[1][0] == (len("user") + 1 + 700, whole)
     assert [offset for offset, _ in marks] == [len("user\x1e" + first + "\x1euser\x1e") + 700]
+
+
+def test_prompts_past_the_hashed_blocks_are_told_apart_by_their_marks() -> None:
+    ends = block_ends(512, 32)  # the default: 16 KiB in blocks
+    system = {"role": "system", "content": "shared tool definitions " * 900}  # 21,600 characters
+    first = [system, {"role": "user", "content": "question one"}]
+    other = [system, {"role": "user", "content": "question two"}]
+    one = prompt_blocks({"model": "m", "messages": first}, ends)
+    two = prompt_blocks({"model": "m", "messages": other}, ends)
+    assert one[0] == two[0]  # the same blocks: the shared head
+    assert one[2] != two[2]  # the whole prompts differ
+    later = [*first, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+    _, marks, _ = prompt_blocks({"model": "m", "messages": later}, ends)
+    # The next turn looks up the previous one whole, 21 KiB in: past every block.
+    assert marks[0] == (len("\x1e".join(("system", system["content"], "user", "question one"))), one[2])
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_conversations_sharing_a_prompt_longer_than_the_blocks_stay_on_their_replica(replicas: int) -> None:
+    # A 20 KiB shared system prompt, 15 conversations of 5 turns in bursts: 60 later turns (random: 60 / replicas).
+    stayed, later, _ = long_prompt_affinity(replicas=replicas)
+    assert later == 60
+    assert stayed >= 55
 
 
 def test_block_ends_are_fine_at_the_head_and_coarser_deeper_in() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Any
 
 import httptools
@@ -29,6 +30,7 @@ from uvicorn.server import ServerState
 
 from gateway import errors
 from gateway.server.reply import BODY_FOLLOWS
+from gateway.server.request import ARRIVED
 from gateway.settings import LimitSettings
 
 log = logging.getLogger("sluice.http")
@@ -197,6 +199,11 @@ class GatewayProtocol(HttpToolsProtocol):
             self.last_read = self.loop.time()
             if self.timer is None:
                 self._arm(self.body_timeout)
+
+    def on_message_begin(self) -> None:
+        # Called by the parser within the read that holds the request's first byte: the overhead starts here.
+        super().on_message_begin()
+        self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
 
     def on_headers_complete(self) -> None:
         # Reads that ended inside the head were counted as they came; a head completed within one read

@@ -206,9 +206,11 @@ class GatewayProtocol(HttpToolsProtocol):
         self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
 
     def on_headers_complete(self) -> None:
-        # Reads that ended inside the head were counted as they came; a head completed within one read
-        # larger than the limit is measured here (rare: such a read is over 64 KiB by default).
-        if self.big_read and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.max_head:
+        # Reads that ended inside the head were counted as they came. A head that completes in a read which
+        # takes the count over the limit (one read larger than it, or the last of several whose total is) is
+        # measured here, since that read may also hold the body: rare, past 64 KiB by default.
+        suspect = self.big_read or self.head_bytes > self.max_head
+        if suspect and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.max_head:
             raise HeadTooLarge
         self.in_head = False
         self.in_body = True

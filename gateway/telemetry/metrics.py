@@ -290,6 +290,7 @@ class Metrics:
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
         self.series: dict[tuple[str, ...], Series] = {}
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
+        self.opened = {True: 0, False: 0}  # batched: requests in flight, set on the gauge when it is read
         self.store = store
         self.store_seen = 0
         self.span_counters: dict[str, Any] = {}
@@ -297,7 +298,10 @@ class Metrics:
     # -- the request path ---------------------------------------------------------------------------------
 
     def begin(self, ex: Exchange) -> None:
-        self.open[ex.stream].inc()
+        if self.batched:
+            self.opened[ex.stream] += 1
+        else:
+            self.open[ex.stream].inc()
 
     def rejected(self, status: int) -> None:
         self.requests.labels("unknown", "", "", "", "", *self.extra.values(), str(status)).inc()
@@ -305,7 +309,10 @@ class Metrics:
     # -- the completion task ------------------------------------------------------------------------------
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
-        self.open[ex.stream].dec()
+        if self.batched:
+            self.opened[ex.stream] -= 1
+        else:
+            self.open[ex.stream].dec()
         served = ex.served
         tenant = self.tenant_label(ex.tenant)
         labels: tuple[str, ...] = (
@@ -376,7 +383,11 @@ class Metrics:
         self.process.refresh()
 
     def flush(self) -> None:
-        """Every request's values that wait in a series added to the Prometheus children."""
+        """Every request's values that wait in a series added to the Prometheus children, and the gauge of
+        requests in flight set."""
+        if self.batched:
+            for stream, count in self.opened.items():
+                self.open[stream].set(count)
         for series in self.series.values():
             if series.held:
                 series.flush()

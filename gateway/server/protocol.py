@@ -248,7 +248,9 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         if self.over_cap:
-            raise OutOfDescriptors
+            if len(self.server_state.connections) > connection_cap():
+                raise OutOfDescriptors
+            self.over_cap = False  # others closed meanwhile: this one can be served
         # Reads that ended inside the head were counted as they came. A head that completes in a read which
         # takes the count over the limit (one read larger than it, or the last of several whose total is) is
         # measured here, since that read may also hold the body: rare, past 64 KiB by default.

@@ -73,7 +73,7 @@ class Pipeline:
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
     ) -> None:
-        started = time.perf_counter()
+        started: float = scope.get(request.ARRIVED) or time.perf_counter()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         rid = request.request_id(headers)
         try:

@@ -12,7 +12,8 @@ Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare g
 `tenants` (auth + Redis rate limiter), `cache` (L1 and Redis hits, the cost of a miss), `tracing` (OTLP
 export at two sample ratios), `full` (every stage on at once, every request a cache miss), and, with processes
 of their own (bench_scale), `workers` (one worker against two) and `streams` (10,000 streams in one); `routing`
-(the route policies over simulated replicas, bench_routing) is not in `all`. This module parses the command line
+(the route policies over simulated replicas, bench_routing) and `instructions` (instructions per request under
+callgrind, bench_instructions) are not in `all`. This module parses the command line
 and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
 in its own module, the page in bench_report.
 """
@@ -42,6 +43,9 @@ T = TypeVar("T")
 SCENARIOS = ("core", "tenants", "cache", "tracing", "full", *bench_scale.OWN_PROCESSES)
 # Run by its own module with its own replicas and gateway (tools/bench_routing.py); not part of `all`.
 ROUTING = "routing"
+# Counted under callgrind by its own module (tools/bench_instructions.py); not part of `all`.
+INSTRUCTIONS = "instructions"
+EXTRA = (ROUTING, INSTRUCTIONS)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -145,13 +149,13 @@ def scenario_names(text: str) -> tuple[str, ...]:
     asked = {name.strip() for name in text.split(",") if name.strip()}
     if "all" in asked:
         return SCENARIOS
-    unknown = asked - {*SCENARIOS, ROUTING}
+    unknown = asked - {*SCENARIOS, *EXTRA}
     if unknown or not asked:
-        names = ", ".join((*SCENARIOS, ROUTING))
+        names = ", ".join((*SCENARIOS, *EXTRA))
         raise argparse.ArgumentTypeError(
             f"unknown scenario {', '.join(sorted(unknown)) or '(none)'}: choose from {names} or all"
         )
-    return tuple(name for name in (*SCENARIOS, ROUTING) if name in asked)
+    return tuple(name for name in (*SCENARIOS, *EXTRA) if name in asked)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=scenario_names,
         default=("core",),
         metavar="NAME[,NAME...]",
-        help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core); {ROUTING}: the route policies",
+        help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core); {ROUTING}: the route policies; "
+        f"{INSTRUCTIONS}: instructions per request under callgrind",
     )
     parser.add_argument("--config", help=f"the core gateway's config (default bench/{CORE_CONFIG})")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown report to PATH")
@@ -193,6 +198,13 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
         status = bench_routing.main(seconds)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != ROUTING))
+        if not options.scenarios or status:
+            return status
+    if INSTRUCTIONS in options.scenarios:
+        from tools import bench_instructions
+
+        status = bench_instructions.main(options.preset, options.command, options.write)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != INSTRUCTIONS))
         if not options.scenarios or status:
             return status
 

@@ -145,11 +145,24 @@ def bench_file(name: str) -> Path:
     return found.resolve()
 
 
-def spawn(name: str, command: list[str], cpu: int | None, env: dict[str, str], workdir: str | None = None) -> Child:
+def spawn(
+    name: str,
+    command: list[str],
+    cpu: int | None,
+    env: dict[str, str],
+    workdir: str | None = None,
+    cwd: str | None = None,
+) -> Child:
+    """A child process; `workdir` is its working directory and removed when it stops, `cwd` one that is kept."""
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None else []
     log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child; Child.stop closes it
     popen = subprocess.Popen(
-        [*prefix, *command], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=workdir
+        [*prefix, *command],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env=env,
+        cwd=cwd or workdir,
     )
     return Child(name, popen, log, workdir)
 

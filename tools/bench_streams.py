@@ -15,7 +15,10 @@ gateway is reported beside it, with the gateway's own view (`x-sluice-overhead-m
 
 Every process raises its file-descriptor limit where it may: a stream holds two sockets in the gateway (its
 client's and its upstream's), so the gateway's limit, the most it held open, the listen-queue overflows of
-the machine and any "Too many open files" it logged are reported with the failures.
+the machine and any "Too many open files" it logged are reported with the failures. Where the limit cannot
+carry the shape's streams, the run has as many as it can (the gateway's connection cap,
+`gateway.server.protocol.connection_cap`): on a machine whose hard limit is 20,000, 9,936 rather than 10,000.
+A stream past the cap gets a 503 with `retry-after` (counted as refused, apart from the failures), never a reset.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import orjson
 
+from gateway.server.protocol import RESERVED_FDS
 from gateway.telemetry.quantiles import percentile
 from gateway.upstream.pool import Pool
 from tools.bench_figures import Check, check, ms
@@ -52,6 +56,7 @@ DONE = b"data: [DONE]"
 OVERHEAD = b"x-sluice-overhead-ms:"
 STAMP = b": sent "  # the upstream's first-token stamp
 DIRECT_EVERY = 50  # one stream in this many has a twin straight to the upstream, opened at the same moment
+REFUSED = "status 503 with retry-after"  # the gateway at its descriptor limit: refused, not failed
 EMFILE = ("Too many open files", "out of file descriptors")  # what the gateway logs at its limit
 
 
@@ -79,6 +84,7 @@ SHAPES = {
 class Streams:
     shape: Shape
     completed: int  # every event and [DONE], as many as the reference stream
+    refused: int  # answered 503 (the gateway at its descriptor limit), not failures
     errors: int
     failures: dict[str, int]  # what went wrong, by kind
     expected_events: int  # of the reference stream, straight from the upstream
@@ -153,17 +159,25 @@ def status_rss_mb(pid: int, key: str) -> float:
     return math.nan
 
 
-async def measure(options: BenchOptions, env: dict[str, str]) -> Streams:
-    shape = SHAPES.get(options.preset, SHAPES["default"])
+async def measure(
+    options: BenchOptions, env: dict[str, str], max_fds: int | None = None, shape: Shape | None = None
+) -> Streams:
+    """The preset's shape (or `shape`), with as many streams as the gateway's descriptor limit carries
+    (`max_fds`, soft and hard, lowers it: `prlimit` runs the gateway under it)."""
+    shape = shape or SHAPES.get(options.preset, SHAPES["default"])
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     raise_fd_limit(4 * shape.streams + 4096)  # inherited: the gateway, the upstream, the load generator
     try:
-        return await _measure(shape, env)
+        gateway_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if max_fds is not None:
+            gateway_limit = min(gateway_limit, max_fds)
+        streams = min(shape.streams, max((gateway_limit - RESERVED_FDS) // 2, 1))
+        return await _measure(replace(shape, streams=streams), env, max_fds)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
 
-async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
+async def _measure(shape: Shape, env: dict[str, str], max_fds: int | None = None) -> Streams:
     port, gateway_port = free_port(), free_port()
     env = {**env, "SIM_SLOW_PORT": str(port)}
     sim_args = ["sim", "--port", str(port), "--ttft-ms", f"{shape.ttft_ms:g}", "--tpot-ms", f"{shape.tpot_ms:g}"]
@@ -173,7 +187,8 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
     ]
     try:
         serve = ["serve", "-c", str(bench_file(CONFIG)), "--port", str(gateway_port), "--log-level", "warning"]
-        gateway = spawn("gateway streams", python_module("gateway.cli", *serve), None, env)
+        prefix = [] if max_fds is None else ["prlimit", f"--nofile={max_fds}:{max_fds}", "--"]
+        gateway = spawn("gateway streams", [*prefix, *python_module("gateway.cli", *serve)], None, env)
         children.append(gateway)
         pool = Pool(f"http://127.0.0.1:{gateway_port}", CLIENT_LIMITS)
         try:
@@ -221,7 +236,8 @@ async def _measure(shape: Shape, env: dict[str, str]) -> Streams:
     return Streams(
         shape=shape,
         completed=found["completed"],
-        errors=shape.streams - found["completed"],
+        refused=found["refused"],
+        errors=shape.streams - found["completed"] - found["refused"],
         failures=found["failures"],
         expected_events=found["expected_events"],
         idle_rss_mb=idle,
@@ -281,6 +297,7 @@ def checks(s: Streams) -> list[Check]:
     n = s.shape.streams
     return [
         check(NAME, f"streams completed of {n:,}", s.completed, n, "", at_least=True),
+        check(NAME, "streams failed (reset, cut; 503s apart)", s.errors, 0, ""),
         check(NAME, f"gateway peak RSS, {n:,} open streams", s.peak_rss_mb, TARGET_RSS_MB, "MB"),
         check(NAME, f"TTFT added p99, {n:,} open streams", s.added(0.99), TARGET_TTFT_ADDED_P99_MS, "ms"),
     ]
@@ -312,7 +329,7 @@ def render(s: Streams) -> list[str]:
         f"{sh.ttft_ms:g} ms), and TTFT through the gateway was p50 {ms(s.through(0.5))} / p99 "
         f"{ms(s.through(0.99))} ms.",
         f"- Each complete stream: {s.expected_events} events with `[DONE]`, as one straight from the upstream. "
-        f"Failures: {failures}.",
+        f"Refused with 503 (at the descriptor limit): {s.refused}. Failures: {failures}.",
         f"- Descriptors: the gateway may hold {s.fd_limit:,} (its soft limit, raised to the hard one) and held at "
         f"most {s.peak_fds:,}; {sh.streams:,} streams need {needed:,} (a client and an upstream socket each) and "
         f"the {s.idle_fds} it held idle (its warm upstream connections among them), about {needed + s.idle_fds:,} "
@@ -331,6 +348,7 @@ def render(s: Streams) -> list[str]:
 @dataclass(slots=True)
 class Tally:
     completed: int = 0
+    refused: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     written_ms: list[float] = field(default_factory=list)
@@ -389,6 +407,8 @@ async def stream(port: int, index: int) -> Read:
         writer.write(request(port, index))
         head = await reader.readuntil(b"\r\n\r\n")
         out.head_ms = (time.perf_counter() - started) * 1000.0
+        if head.startswith(b"HTTP/1.1 503") and b"\r\nretry-after: " in head.lower():
+            return Read(REFUSED)
         if not head.startswith(b"HTTP/1.1 200"):
             return Read(f"status {head[9:12].decode(errors='replace')}")
         for line in head.lower().split(b"\r\n"):
@@ -443,7 +463,9 @@ async def load(args: argparse.Namespace) -> dict[str, object]:
         r.transit_ms for r in await asyncio.gather(*beside) if not r.failure and r.events == direct.events
     ]
     for read in await asyncio.gather(*tasks):
-        if read.failure:
+        if read.failure == REFUSED:
+            tally.refused += 1
+        elif read.failure:
             tally.fail(read.failure)
         elif read.events != direct.events:
             tally.fail(f"{read.events} events, not {direct.events}")
@@ -459,6 +481,7 @@ async def load(args: argparse.Namespace) -> dict[str, object]:
                 tally.own_ms.append(read.own_ms)
     return {
         "completed": tally.completed,
+        "refused": tally.refused,
         "failures": tally.failures,
         "expected_events": direct.events,
         "ttft_ms": tally.ttft_ms,

@@ -4,6 +4,8 @@ Like nginx's `large_client_header_buffers`, `client_header_timeout` and `client_
 - the request head (request line and headers) is capped at `limits.max_header_bytes`: over it, 431;
 - a head must arrive within `limits.header_timeout_s` of its first byte (or of the connection opening): 408;
 - a body may not pause for longer than `limits.body_timeout_s`: 408.
+- at the file-descriptor limit (two sockets a stream: its client's and its upstream's), a request on a connection
+  accepted past what the limit allows gets a 503 with `retry-after` instead of a reset at accept.
 Requests the parser rejects (a bad content-length, a NUL in a header, an unknown method) get a 400. Every one
 of these answers is in OpenAI's error format, with `connection: close`.
 
@@ -14,8 +16,10 @@ ends in the middle of a head or a body, so the cost per request is a few attribu
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
+import time
 from typing import Any
 
 import httptools
@@ -29,11 +33,22 @@ from uvicorn.server import ServerState
 
 from gateway import errors
 from gateway.server.reply import BODY_FOLLOWS
+from gateway.server.request import ARRIVED
 from gateway.settings import LimitSettings
+from gateway.upstream import descriptors
 
 log = logging.getLogger("sluice.http")
 
-REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+# Descriptors kept for what is not a client's stream: the listener, the loop, logs, Redis, warm upstreams,
+# and the connections accepted past the cap, each held only until its 503 is written.
+RESERVED_FDS = 128
+RETRY_AFTER_S = 1
 
 
 # What uvicorn's HEADER_RE and HEADER_VALUE_RE refuse, as bytes to delete: a C pass over the bytes.
@@ -140,7 +155,20 @@ class HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing a head that is over the limit."""
 
 
+class OutOfDescriptors(Exception):
+    """Raised from a parser callback for a request on a connection that the descriptor limit cannot carry."""
+
+
+@functools.cache
+def connection_cap() -> int:
+    """Client connections the soft descriptor limit carries, each with an upstream socket; read once, after
+    `sluice serve` raised the limit (the protocol is made only once the server runs)."""
+    return max((descriptors.soft_limit() - RESERVED_FDS) // 2, 1)
+
+
 class GatewayProtocol(HttpToolsProtocol):
+    warned = False  # the descriptor limit was reached and logged: once per process
+
     def __init__(
         self,
         config: Config,
@@ -159,9 +187,21 @@ class GatewayProtocol(HttpToolsProtocol):
         self.big_read = False  # the last read was larger than max_head: measure the head when it completes
         self.last_read = 0.0  # loop.time() of the last read, for the body timeout
         self.timer: asyncio.TimerHandle | None = None
+        self.over_cap = False  # accepted past what the descriptor limit carries: its requests get 503
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.server_state.connections) > connection_cap():
+            self.over_cap = True
+            if not GatewayProtocol.warned:
+                GatewayProtocol.warned = True
+                log.warning(
+                    "file descriptors: %d client connections open, the most a soft limit of %d carries (two "
+                    "sockets a stream); requests on connections past it get 503 with retry-after "
+                    "(logged once; raise the limit: systemd LimitNOFILE, ulimit -n, the container's nofile)",
+                    connection_cap(),
+                    descriptors.soft_limit(),
+                )
         self._arm(self.header_timeout)  # a connection that never sends a head is not held forever
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -182,7 +222,10 @@ class GatewayProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, HeadTooLarge):
+            if isinstance(exc.__context__, OutOfDescriptors):
+                message = "the gateway is at its file-descriptor limit; retry shortly"
+                self._reject(503, message, "gateway_overloaded", retry_after=True)
+            elif isinstance(exc.__context__, HeadTooLarge):
                 self._reject(431, f"request head larger than {self.max_head} bytes", "request_header_too_large")
             else:
                 self._reject(400, f"invalid HTTP request: {exc}", "invalid_http_request")
@@ -198,10 +241,21 @@ class GatewayProtocol(HttpToolsProtocol):
             if self.timer is None:
                 self._arm(self.body_timeout)
 
+    def on_message_begin(self) -> None:
+        # Called by the parser within the read that holds the request's first byte: the overhead starts here.
+        super().on_message_begin()
+        self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
+
     def on_headers_complete(self) -> None:
-        # Reads that ended inside the head were counted as they came; a head completed within one read
-        # larger than the limit is measured here (rare: such a read is over 64 KiB by default).
-        if self.big_read and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.max_head:
+        if self.over_cap:
+            if len(self.server_state.connections) > connection_cap():
+                raise OutOfDescriptors
+            self.over_cap = False  # others closed meanwhile: this one can be served
+        # Reads that ended inside the head were counted as they came. A head that completes in a read which
+        # takes the count over the limit (one read larger than it, or the last of several whose total is) is
+        # measured here, since that read may also hold the body: rare, past 64 KiB by default.
+        suspect = self.big_read or self.head_bytes > self.max_head
+        if suspect and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.max_head:
             raise HeadTooLarge
         self.in_head = False
         self.in_body = True
@@ -250,12 +304,15 @@ class GatewayProtocol(HttpToolsProtocol):
         else:
             self.transport.close()  # an idle keep-alive connection: uvicorn's own keep-alive timeout covers it
 
-    def _reject(self, status: int, message: str, code: str) -> None:
+    def _reject(self, status: int, message: str, code: str, retry_after: bool = False) -> None:
         log.debug("rejected a request from %s: %s", self.client, message)
         self._disarm()
-        body = errors.GatewayError(message, status=status, type="invalid_request_error", code=code).body()
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        body = errors.GatewayError(message, status=status, type=kind, code=code).body()
         head = b"HTTP/1.1 %d %s\r\n" % (status, REASONS[status])
         head += b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
+        if retry_after:
+            head += b"retry-after: %d\r\n" % RETRY_AFTER_S
         head += b"x-request-id: %032x\r\n\r\n" % random.getrandbits(128)
         self.transport.write(head + body)
         self.transport.close()

@@ -17,6 +17,11 @@ from starlette.types import Receive
 from gateway import errors
 from gateway.context import Exchange
 
+# In an HTTP/1.1 request's scope: perf_counter() when its first byte arrived, stamped by server/protocol.py
+# where it receives the bytes, so that the parse and the dispatch before the application count as overhead.
+# A server that does not stamp it (another ASGI server, HTTP/2) leaves the application's own start.
+ARRIVED = "sluice.arrived"
+
 # What each endpoint cannot be routed without: (field, accepted types, what to call them in a message).
 REQUIRED: dict[str, tuple[str, tuple[type, ...], str]] = {
     "chat/completions": ("messages", (list,), "an array of messages"),

@@ -10,9 +10,12 @@ Plugins own their series (the Envoy model): they make them at start-up through t
 (`runtime.meter`), in the same registry, and add labels to the request series by declaring them in their
 schema and setting `ex.labels`. This module never names a plugin.
 
-Recording is cheap: the labelled children of one label tuple are looked up once and kept, so a request
-costs a dict lookup and a handful of increments, after its response has ended and never per chunk. The
-tenant label is bounded (`telemetry.max_tenants`, then `other`).
+Recording is cheap: the labelled children of one label tuple are looked up once and kept, and a request's
+observations and counts wait in its series (plain lists and integers, after its response has ended and never
+per chunk) until `BATCH` requests have added theirs or something reads the values (a scrape, a worker's file
+write): then each histogram gets its sum once and each bucket its count once, where prometheus_client would
+take a lock, test the metric and walk the bucket bounds for every observation. The tenant label is bounded
+(`telemetry.max_tenants`, then `other`).
 
 With several worker processes (`sluice serve --workers N`) every worker keeps its values in memory as one
 process does, writes them to files in a shared directory in batches, and a scrape, whichever worker answers
@@ -25,6 +28,7 @@ OpenMetrics; the multiprocess files have no place for them.
 
 from __future__ import annotations
 
+import bisect
 import os
 import platform
 from collections.abc import Iterable, Mapping
@@ -58,6 +62,7 @@ OVERHEAD_BUCKETS = (
 CORE_LABELS = ("tenant", "model", "served_model", "backend", "stream")
 OTHER_TENANT = "other"
 CLIENT_CLOSED = "499"  # the client left before the response head: no status was ever sent
+BATCH = 256  # requests a series holds before it adds their values to its children (a read adds them at once)
 
 
 def multiprocess_dir() -> str | None:
@@ -86,30 +91,76 @@ class Series:
     Children are made on first use, so that a cache hit, say, has no empty upstream or token series.
     """
 
-    __slots__ = ("children", "labels", "metrics")
+    __slots__ = ("children", "held", "labels", "metrics", "observed", "statuses", "token_counts")
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
         self.metrics = metrics
         self.labels = labels
         self.children: dict[str, Any] = {}
+        self.observed: dict[str, list[float]] = {}  # histogram -> values not yet added to its child
+        self.statuses: dict[str, int] = {}  # status -> requests not yet counted
+        self.token_counts: dict[str, int] = {}  # direction -> tokens not yet counted
+        self.held = 0  # requests whose values wait here
 
     def observe(self, name: str, seconds: float, exemplar: dict[str, str] | None) -> None:
+        if exemplar is not None or not self.metrics.batched:  # an exemplar goes on its bucket as it comes
+            self._child(name).observe(seconds, exemplar)
+            return
+        values = self.observed.get(name)
+        if values is None:
+            values = self.observed[name] = []
+        values.append(seconds)
+
+    def count(self, status: str) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+
+    def tokens(self, direction: str, count: int) -> None:
+        self.token_counts[direction] = self.token_counts.get(direction, 0) + count
+
+    def done(self) -> None:
+        """One request's values are in: add them all when enough wait (or at once, unbatched)."""
+        self.held += 1
+        if self.held >= BATCH or not self.metrics.batched:
+            self.flush()
+
+    def flush(self) -> None:
+        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter."""
+        self.held = 0
+        for name, values in self.observed.items():
+            if values:
+                child = self._child(name)
+                bounds = child._upper_bounds  # the last is +Inf: every value has a bucket
+                buckets = child._buckets
+                child._sum.inc(sum(values))
+                counts: dict[int, int] = {}
+                for value in values:  # a value's bucket is the first bound at or above it, as observe() finds it
+                    if value != value:  # NaN: observe() puts it in no bucket
+                        continue
+                    at = bisect.bisect_left(bounds, value)
+                    counts[at] = counts.get(at, 0) + 1
+                for at, n in counts.items():
+                    buckets[at].inc(n)
+                values.clear()
+        if self.statuses:
+            for status, n in self.statuses.items():
+                child = self.children.get(status)
+                if child is None:
+                    child = self.children[status] = self.metrics.requests.labels(*self.labels, status)
+                child.inc(n)
+            self.statuses.clear()
+        if self.token_counts:
+            for direction, n in self.token_counts.items():
+                child = self.children.get(direction)
+                if child is None:
+                    child = self.children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
+                child.inc(n)
+            self.token_counts.clear()
+
+    def _child(self, name: str) -> Any:
         child = self.children.get(name)
         if child is None:
             child = self.children[name] = getattr(self.metrics, name).labels(*self.labels)
-        child.observe(seconds, exemplar)
-
-    def count(self, status: str) -> None:
-        child = self.children.get(status)
-        if child is None:
-            child = self.children[status] = self.metrics.requests.labels(*self.labels, status)
-        child.inc()
-
-    def tokens(self, direction: str, count: int) -> None:
-        child = self.children.get(direction)
-        if child is None:
-            child = self.children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
-        child.inc(count)
+        return child
 
 
 class Metrics:
@@ -127,11 +178,14 @@ class Metrics:
         self.gauge_modes = {"sluice_inflight_requests": "livesum", "sluice_backend_up": "livemin", **PROCESS_MODES}
         shared = metric_files.directory() if self.directory is None else None
         self.files = (
-            metric_files.MetricFiles(registry, shared, self.gauge_modes, before_write=self.refresh_process)
+            metric_files.MetricFiles(registry, shared, self.gauge_modes, before_write=self.before_write)
             if shared
             else None
         )
         self.exemplars = self.directory is None and self.files is None
+        # prometheus_client's own multiprocess mode writes every value to its file as it changes, and a scrape
+        # reads the files of every process: there values cannot wait in this process.
+        self.batched = self.directory is None
         self.extra = dict(labels or {})
         names = (*CORE_LABELS, *self.extra)
         self.ttft = Histogram(
@@ -236,6 +290,7 @@ class Metrics:
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
         self.series: dict[tuple[str, ...], Series] = {}
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
+        self.opened = {True: 0, False: 0}  # batched: requests in flight, set on the gauge when it is read
         self.store = store
         self.store_seen = 0
         self.span_counters: dict[str, Any] = {}
@@ -243,7 +298,10 @@ class Metrics:
     # -- the request path ---------------------------------------------------------------------------------
 
     def begin(self, ex: Exchange) -> None:
-        self.open[ex.stream].inc()
+        if self.batched:
+            self.opened[ex.stream] += 1
+        else:
+            self.open[ex.stream].inc()
 
     def rejected(self, status: int) -> None:
         self.requests.labels("unknown", "", "", "", "", *self.extra.values(), str(status)).inc()
@@ -251,7 +309,10 @@ class Metrics:
     # -- the completion task ------------------------------------------------------------------------------
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
-        self.open[ex.stream].dec()
+        if self.batched:
+            self.opened[ex.stream] -= 1
+        else:
+            self.open[ex.stream].dec()
         served = ex.served
         tenant = self.tenant_label(ex.tenant)
         labels: tuple[str, ...] = (
@@ -286,6 +347,7 @@ class Metrics:
                 tokens = usage.get(field)
                 if isinstance(tokens, int) and tokens > 0:
                     series.tokens(direction, tokens)
+        series.done()
         if ex.fallback is not None:
             self.fallbacks.labels(ex.model, labels[2], ex.fallback).inc()
         if ex.rejected_by is not None:
@@ -315,8 +377,24 @@ class Metrics:
     def refresh_process(self) -> None:
         self.process.refresh()
 
+    def before_write(self) -> None:
+        """Before this worker writes its values to the shared files: the waiting ones in, the process's read."""
+        self.flush()
+        self.process.refresh()
+
+    def flush(self) -> None:
+        """Every request's values that wait in a series added to the Prometheus children, and the gauge of
+        requests in flight set."""
+        if self.batched:
+            for stream, count in self.opened.items():
+                self.open[stream].set(count)
+        for series in self.series.values():
+            if series.held:
+                series.flush()
+
     def refresh(self) -> None:
         """The series read at scrape time from elsewhere (Redis failures, backend health): nothing per request."""
+        self.flush()
         self.sync()
         self.process.refresh()
         for name, health in self.backends.items():

@@ -123,10 +123,13 @@ def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
 
 
 @contextmanager
-def gateway_process(config: str, tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[RunningGateway]:
+def gateway_process(
+    config: str, tmp: Path, *args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+) -> Iterator[RunningGateway]:
     """`sluice serve` as its own process, as a user runs it; its stderr goes to `running.log`.
 
-    `args` come after the defaults, so `--log-level debug` there overrides the quiet default.
+    `args` come after the defaults, so `--log-level debug` there overrides the quiet default; `prefix` runs it
+    under another command (`prlimit --nofile=N:N --`).
     """
     port = free_port()
     path = tmp / f"gateway-{port}.yaml"
@@ -135,6 +138,7 @@ def gateway_process(config: str, tmp: Path, *args: str, env: dict[str, str] | No
     stderr = log.open("wb")
     proc = subprocess.Popen(
         [
+            *prefix,
             sys.executable,
             "-m",
             "gateway.cli",

@@ -81,6 +81,23 @@ def test_a_head_over_the_limit_is_431(gateway: RunningGateway, size: int) -> Non
     assert error["code"] == "request_header_too_large"
 
 
+def test_a_head_is_measured_across_reads() -> None:
+    """65 KB of head, a pause, 60 KB more that complete it: 125 KB against the default 64 KiB, however it came."""
+    config = CONFIG.replace("max_header_bytes: 8192, header_timeout_s: 0.5", "header_timeout_s: 5")
+    with gateway_thread(config) as gw, connect(gw) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        whole = request("x-one: " + "a" * 65_000 + "\r\nx-two: " + "b" * 60_000 + "\r\n")
+        cut = whole.index(b"x-two")
+        sock.sendall(whole[:cut])
+        time.sleep(0.2)  # the first part is read on its own (within the header timeout)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(whole[cut:])
+        status, headers, body = answer(sock)
+    assert cut < 65_536 < len(whole)
+    error = assert_openai_error(status, headers, body, 431)
+    assert error["code"] == "request_header_too_large"
+
+
 def test_a_long_url_counts_too(gateway: RunningGateway) -> None:
     with connect(gateway) as sock:
         sock.sendall(b"GET /v1/models?" + b"q" * 10000 + b" HTTP/1.1\r\nhost: x\r\n\r\n")

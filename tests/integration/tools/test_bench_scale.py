@@ -5,10 +5,13 @@ Timings are not asserted: they belong to the full run; counts and completeness a
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from dataclasses import replace
 
 import pytest
 
+from gateway.server.protocol import RESERVED_FDS
 from tools import bench, bench_scale, bench_streams, bench_workers
 
 COMMAND = "sluice bench --smoke --scenario workers,streams"
@@ -70,3 +73,17 @@ def test_streams_all_completed_through_one_worker(report: bench_scale.ScaleRepor
     assert s.peak_fds > 0  # sampled every second: how many were open then depends on the moment
     assert s.fd_errors == 0
     assert "## Streams: concurrency in one worker" in report.markdown()
+
+
+def test_streams_run_at_what_the_descriptor_limit_carries() -> None:
+    """Asked for more streams than a gateway limited to 1,024 descriptors can hold: as many as it can, all whole."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("prlimit (util-linux) not found: it lowers the gateway's limit")
+    shape = bench_streams.Shape(1000, 1.5, 200.0, 50.0, 10)
+    s = bench.run_loop(bench_streams.measure(bench.SMOKE, dict(os.environ), max_fds=1024, shape=shape))
+    assert s.shape.streams == (1024 - RESERVED_FDS) // 2 < shape.streams
+    assert s.fd_limit == 1024
+    assert s.errors == 0, s.failures
+    assert s.completed + s.refused == s.shape.streams
+    assert s.completed == s.shape.streams  # sized to the cap, none had to be refused
+    assert s.fd_errors == 0

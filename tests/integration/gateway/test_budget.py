@@ -1,0 +1,52 @@
+"""The CI budget: instructions per request for the bare path and for every stage on, against bench/budget.toml.
+
+Timings on a shared machine swing by ±15 % between identical rounds, so they cannot catch a 5 % regression;
+the instructions the gateway executes per request repeat to within about a percent, and can. Each gateway
+runs under callgrind (tools/bench_instructions.py) with its helpers native.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tools.bench_instructions import BARE, FULL, TREE, Count, Counting, count, helpers, missing_tools, run_loop
+
+BUDGET = TREE / "bench" / "budget.toml"
+# How the budget was counted (see its file): change both together.
+COUNTING = Counting(requests=300, warmup=100, concurrency=16)
+# Set by .ci/run when valgrind cannot be installed on the machine: the one case where this test skips.
+UNAVAILABLE = "SLUICE_VALGRIND_UNAVAILABLE"
+
+
+def budget() -> tuple[float, dict[str, int]]:
+    data = tomllib.loads(Path(BUDGET).read_text())
+    return float(data["tolerance"]), {name: int(value) for name, value in data["instructions_per_request"].items()}
+
+
+def counted() -> list[Count]:
+    async def both() -> list[Count]:
+        async with helpers(FULL) as fleet:
+            return [
+                *await count("bare", BARE, fleet, COUNTING),
+                *await count("full", FULL, fleet, COUNTING),
+            ]
+
+    return run_loop(both())
+
+
+def test_instructions_per_request_within_budget() -> None:
+    why = missing_tools()
+    if why is not None:
+        if os.environ.get(UNAVAILABLE):
+            pytest.skip(f"{why}; valgrind could not be installed here: {os.environ[UNAVAILABLE]}")
+        pytest.fail(f"{why}: the instruction budget cannot be checked (set {UNAVAILABLE}=reason to skip)")
+    tolerance, budgets = budget()
+    found = {c.name: c.per_request for c in counted()}
+    report = ", ".join(f"{name} {found[name]:,.0f} (budget {budgets[name]:,})" for name in budgets)
+    over = [name for name, limit in budgets.items() if found[name] > limit * (1 + tolerance)]
+    assert not over, f"instructions per request over budget by more than {tolerance:.0%}: {report}"
+    print(f"instructions per request: {report}")

@@ -352,3 +352,21 @@ plugins: [auth, rate_limit]
         assert (
             call(gw, "GET", f"/responses/resp_{secrets.token_hex(24)}", OTHER_KEY).status_code == 404
         )  # not the rival's
+
+
+def test_a_response_made_while_redis_is_down_is_kept_and_written_when_it_is_back(
+    redis_server: RedisServer, upstream: ScriptedUpstream, tmp_path: Path
+) -> None:
+    text = config(upstream.url, redis_server.url, FAST_SIM)
+    with gateway_process(text, tmp_path) as one, gateway_process(text, tmp_path) as two:
+        redis_server.stop()
+        made = create(one)  # generation does not depend on Redis
+        rid = made["id"]
+        assert call(one, "GET", f"/responses/{rid}").status_code == 200  # its maker knows the owner for certain
+        refused(call(one, "GET", f"/responses/{rid}", OTHER_KEY), {404})
+        refused(call(two, "GET", f"/responses/{rid}"), {503})  # the other cannot read any owner: fails closed
+        redis_server.start()  # empty, on the same port: the kept record is written once it answers
+        with redis_server.client() as client:
+            wait_until(lambda: client.exists(index_key(rid)), timeout=15, what="the kept owner record written")
+        wait_until(lambda: call(two, "GET", f"/responses/{rid}").status_code == 200, timeout=15, what="read on two")
+        refused(call(two, "GET", f"/responses/{rid}", OTHER_KEY), {404})

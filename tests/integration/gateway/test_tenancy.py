@@ -8,6 +8,7 @@ records every request it gets, so "refused before anything goes upstream" is che
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -313,15 +314,22 @@ def test_a_delete_through_one_instance_holds_on_every_instance(
             assert client.keys(f"*{rid}*") == []
 
 
-def test_reads_of_random_ids_are_rate_limited_and_never_reach_the_upstream(upstream: ScriptedUpstream) -> None:
-    limits = f"""
-tenants:
-  acme: {{keys: ["{KEY_HASH}"], rate_limit: {{requests_per_minute: 600}}}}
-  rival: {{keys: ["{OTHER_HASH}"], rate_limit: {{requests_per_minute: 600}}}}
-plugins: [auth, rate_limit]
-"""
-    text = config(upstream.url, None, FAST_SIM).replace("plugins: [auth]", "")
-    text = text[: text.index("tenants:")] + limits
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "redis"])
+def test_reads_of_random_ids_are_rate_limited_and_never_reach_the_upstream(
+    shared: bool, upstream: ScriptedUpstream
+) -> None:
+    with contextlib.ExitStack() as stack:
+        redis_url = stack.enter_context(RedisServer()).url if shared else None
+        _read_random_ids(upstream, redis_url)
+
+
+def _read_random_ids(upstream: ScriptedUpstream, redis_url: str | None) -> None:
+    limit = "rate_limit: {requests_per_minute: 600}"
+    text = config(upstream.url, redis_url, FAST_SIM).replace("plugins: [auth]", "plugins: [auth, rate_limit]")
+    text = text.replace(f'["{KEY_HASH}"]}}', f'["{KEY_HASH}"], {limit}}}').replace(
+        f'["{OTHER_HASH}"]}}', f'["{OTHER_HASH}"], {limit}}}'
+    )
+    assert text.count("requests_per_minute") == 2
     with gateway_thread(text) as gw:
 
         async def read_all() -> list[int]:

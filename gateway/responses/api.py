@@ -363,6 +363,8 @@ class Responses:
         if previous is not None:
             if not isinstance(previous, str):
                 raise errors.BadRequestError("'previous_response_id' must be a string", param="previous_response_id")
+            if not RESPONSE_ID.fullmatch(previous):
+                raise reference_not_found("previous_response_id", previous)  # not an id: nobody's
             keys.append(index_key(previous))
             named.append(("previous_response_id", previous))
         given = body.get("input")
@@ -372,6 +374,8 @@ class Responses:
                     ref = item.get("id")
                     if not isinstance(ref, str):
                         raise errors.BadRequestError("an item_reference needs a string 'id'", param="input")
+                    if not RESPONSE_ID.fullmatch(ref):
+                        raise reference_not_found("input", ref)
                     keys.append(item_key(ref))
                     named.append(("input", ref))
         for owner, (param, ident) in zip(await self.index.owners(keys), named, strict=True):

@@ -288,7 +288,7 @@ class Indexing:
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         response = await self.inner.send(ex, target)
-        if response.status >= 400:
+        if response.status >= 400 or ex.json.get("store") is False:  # nothing stored: nothing to own
             return response
         owner = Owner(ex.tenant, target.model)
         index = self.index

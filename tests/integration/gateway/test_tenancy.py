@@ -146,6 +146,13 @@ def test_another_tenant_is_refused_whatever_state_redis_is_in(
             redis_server.stop()
             if state == "restarted_empty":
                 redis_server.start()
+                # Back, and empty: once each instance has noticed (its breaker's second), unknown ids are 404s.
+                probe = f"/responses/resp_{secrets.token_hex(24)}"
+                wait_until(
+                    lambda: all(call(gw, "GET", probe).status_code == 404 for gw in (one, two)),
+                    timeout=15,
+                    what="both instances reading the restarted Redis",
+                )
         try:
             for gw in (one, two):
                 for method, path, kwargs in made.reads():

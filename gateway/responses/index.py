@@ -149,20 +149,24 @@ class ResponseIndex:
         with contextlib.suppress(StoreUnavailable):
             await self._send({key: record})
 
-    async def _send(self, batch: dict[str, bytes | None]) -> None:
-        """Write `batch`; what Redis took leaves `pending` (unless it changed meanwhile)."""
+    async def _send(self, batch: dict[str, bytes | None]) -> bool:
+        """Write `batch`; what Redis took leaves `pending` (unless it changed meanwhile). Whether it took all."""
         assert self.store is not None
         commands: list[list[Any]] = [
             ["SET", key, record, "PX", self.ttl_ms] if record is not None else ["DEL", key]
             for key, record in batch.items()
         ]
         replies = await self.store.pipeline(commands)
+        refused = 0
         for (key, record), reply in zip(batch.items(), replies, strict=True):
-            if not isinstance(reply, Exception) and key in self.pending and self.pending[key] is record:
+            if isinstance(reply, Exception):  # an error reply (out of memory, read-only replica): kept, retried
+                refused += 1
+            elif key in self.pending and self.pending[key] is record:
                 del self.pending[key]
         if self._unwritten_logged and not self.pending:
             self._unwritten_logged = False
             log.warning("index: every record kept while redis was unavailable is now written")
+        return not refused
 
     async def _write_pending(self) -> None:
         """The background writer: whatever is pending, in batches, retried until Redis takes it."""
@@ -173,7 +177,11 @@ class ResponseIndex:
             while self.pending:
                 batch = dict(list(self.pending.items())[:BATCH])
                 try:
-                    await self._send(batch)
+                    if not await self._send(batch):
+                        if not self._unwritten_logged:  # once, until everything is written
+                            self._unwritten_logged = True
+                            log.warning("index: redis refused %d ownership record(s); retrying", len(self.pending))
+                        await asyncio.sleep(RETRY_S)
                 except StoreUnavailable as exc:
                     if not self._unwritten_logged:
                         self._unwritten_logged = True

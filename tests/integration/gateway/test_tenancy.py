@@ -178,8 +178,8 @@ def test_another_tenant_is_refused_whatever_state_redis_is_in(
 
             wait_until(readable, timeout=15, what="the owner reads its objects again")
             chat = call(two, "GET", f"/sluice/background/{made.chat}")
-            assert chat.status_code == 200
-            assert chat.json()["status"] in ("queued", "in_progress")
+            assert chat.status_code == 200  # (how a job itself fares through a stall is test_background.py's)
+            assert chat.json()["id"] == made.chat
             follow = call(two, "POST", "/responses", json=made.references()[0])
             assert follow.status_code == 200  # the owner may continue its own response
             assert upstream.requests[-1].json["previous_response_id"] == made.response["id"]

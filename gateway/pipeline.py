@@ -2,7 +2,9 @@
 
     1 parse     ASGI request -> Exchange (request.py), targets = the model's chain, which the routing step
                 (`route`, set by the runtime: the Responses API, background jobs) may replace
-    2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects
+    2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects; then
+                for the Responses API and stored objects, the admission step (`admit`, set by the runtime):
+                the owner of what the request reads or references, checked against its tenant
     3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Receive, Scope, Send
@@ -69,6 +71,10 @@ class Pipeline:
         # Set by the runtime: may replace `ex.targets` once they are known (Responses: only the backends that
         # have the API; background requests: the gateway's own runner), or reject the request.
         self.route: Callable[[Exchange], None] | None = None
+        # Set by the runtime: run after the plugins' on_request (the tenant is known), before any upstream, for
+        # the Responses API and stored objects: reads the owner of a stored object and sets its target, or
+        # checks a create's references to stored objects against the tenant (gateway/responses/api.py).
+        self.admit: Callable[[Exchange], Awaitable[None]] | None = None
 
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
@@ -251,6 +257,12 @@ class Pipeline:
                     ex.mark(name, since)
                 if reply is not None:
                     return reply
+            if self.admit is not None and (ex.resource or ex.endpoint == "responses"):
+                try:
+                    await self.admit(ex)
+                except errors.GatewayError:
+                    ex.rejected_by = "responses"
+                    raise
             return await self._upstream(ex)
         except errors.GatewayError as exc:
             outcome.error = exc.message

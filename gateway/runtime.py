@@ -40,6 +40,7 @@ class Runtime:
         self.warmup = Warmup(settings, self.upstreams, self.meter)
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
         self.pipeline.route = self.responses.route
+        self.pipeline.admit = self.responses.admit
         self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 

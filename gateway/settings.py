@@ -252,7 +252,9 @@ class ShutdownSettings(Strict):
 
 
 class ResponsesSettings(Strict):
-    default_model: str | None = None  # serves retrievals of response ids the gateway did not see created
+    # No longer routes anything: an id without an owner record is a 404, never forwarded (accepted so that
+    # older configs still load; a warning at start-up says it is ignored).
+    default_model: str | None = None
     index_ttl_s: float = Field(30 * 86400.0, gt=0)  # how long the gateway remembers who created a response
 
 

@@ -1,7 +1,7 @@
 """The Responses API: `POST /v1/responses` through the pipeline, and the operations on a stored response.
 
 Creating a response is an ordinary request (endpoint "responses"): auth, rate limits, cache, SLO fallback
-and telemetry apply as for chat completions. Two things differ, both decided here:
+and telemetry apply as for chat completions. Three things differ, all decided here:
 
 - Targets: only backends with the Responses API serve it (`responses_api`, true by default for every kind).
   A fallback on a chat-only backend is dropped from the chain, and a model whose every target is chat-only
@@ -9,12 +9,16 @@ and telemetry apply as for chat completions. Two things differ, both decided her
   back (its stored state, tools and event stream have no faithful equivalent there).
 - Ownership: the id of every response the gateway sees created is remembered with its tenant and model
   (`ResponseIndex`, in Redis when configured, else in process). `GET/DELETE /v1/responses/{id}`,
-  `POST .../cancel` and `GET .../input_items` go to that model's backend, and only for that tenant (anyone
-  else gets a 404, as for an id that does not exist). An id the gateway did not see created goes to
-  `responses.default_model` (else the first model whose backend has the API).
+  `POST .../cancel` and `GET .../input_items` go to that model's backend, and only for that tenant: anyone
+  else gets a 404, as for an id that does not exist, and so does an id without an owner record (never
+  forwarded anywhere). An owner that cannot be read (Redis down or slow) is a 503 with `retry-after`.
+- References: `previous_response_id`, `conversation` and `item_reference` input items of a create are
+  checked against the caller's tenant the same way (`admit`, after auth and before any upstream).
 
-The operations on a stored response run through the pipeline too (`Exchange.resource` set, no body), so
-auth, headers, metrics and spans look the same; the stored response's usage is not counted again.
+The operations on a stored response run through the pipeline too (`Exchange.resource` set, no body, the
+model unknown until the owner is read): auth comes first, so a request without a valid key gets the same
+401 whether the id exists or not; the rate limiter charges the tenant one request; then `admit` reads the
+owner and sets the model and target. The stored response's usage is not counted again.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import orjson
 
 from gateway import errors
 from gateway.context import Exchange, Target
-from gateway.responses.index import Indexing, Owner, ResponseIndex
+from gateway.responses.index import Indexing, Owner, ResponseIndex, index_key, item_key
 from gateway.responses.jobs import Background, Canned
 from gateway.server import request
 from gateway.server.reply import send_error
@@ -52,12 +56,15 @@ OPERATIONS = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",
 JOB_OPERATIONS = {"": ("GET",), "events": ("GET",)}
 NATIVE_BACKGROUND = frozenset({"openai"})  # backend types that run background responses themselves
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+JOBS_ENDPOINT = "chat/completions"  # the endpoint of a chat job's operations (/v1/sluice/background/{id})
+UNKNOWN_MODEL = ""  # a stored object's model until its owner is read
+RETRY_AFTER = (b"retry-after", b"1")
 
 
 class Owned:
     """A stored response's backend, for the tenant that created it only; a DELETE forgets it."""
 
-    def __init__(self, inner: Provider, index: ResponseIndex, ident: str, owner: Owner | None) -> None:
+    def __init__(self, inner: Provider, index: ResponseIndex, ident: str, owner: Owner) -> None:
         self.inner = inner
         self.index = index
         self.ident = ident
@@ -70,7 +77,7 @@ class Owned:
         self.usage_of_first_choice = inner.usage_of_first_choice
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
-        if self.owner is not None and self.owner.tenant != ex.tenant:
+        if self.owner.tenant != ex.tenant:  # admitted for its owner only; this holds whatever calls it
             raise not_found(self.ident)
         response = await self.inner.send(ex, target)
         if ex.method == b"DELETE" and response.status == 200:
@@ -131,14 +138,13 @@ class Reader(Run):
                 return Canned(200, orjson.dumps(page))
             elif ex.method == b"DELETE":
                 await background.cancel(job)
+                await background.jobs.delete(job)  # its record, input items and events: for every instance
                 await self.index.forget(self.ident)
                 return Canned(200, orjson.dumps({"id": self.ident, "object": "response", "deleted": True}))
             elif operation == "events" or ex.stream:
                 return background.follow(job, _after(ex, query))
         except StoreUnavailable:
-            raise errors.ServiceUnavailableError(
-                "the background job store is unavailable; retry shortly", code="background_unavailable"
-            ) from None
+            raise unavailable(jobs=True) from None
         return Canned(200, job.object)
 
 
@@ -158,6 +164,30 @@ def not_found(ident: str) -> errors.GatewayError:
     # As OpenAI answers it: a 404 without a code.
     message = f"Response with id '{ident}' not found."
     return errors.GatewayError(message, status=404, type="invalid_request_error", param="response_id")
+
+
+def reference_not_found(param: str, ident: str) -> errors.GatewayError:
+    """Another tenant's object, or one without an owner record: the same answer, so it tells nothing."""
+    what = "Previous response" if param == "previous_response_id" else "Item"
+    code = "previous_response_not_found" if param == "previous_response_id" else None
+    message = f"{what} with id '{ident}' not found."
+    return errors.GatewayError(message, status=404, type="invalid_request_error", param=param, code=code)
+
+
+def unavailable(jobs: bool) -> errors.GatewayError:
+    """The owner of an object cannot be read: fail closed, never a guess (nor a forward without an owner)."""
+    if jobs:
+        message, code = "the background job store is unavailable; retry shortly", "background_unavailable"
+    else:
+        message, code = "the response store is unavailable; retry shortly", "response_store_unavailable"
+    return errors.ServiceUnavailableError(message, code=code, headers=[RETRY_AFTER])
+
+
+def _is_reference(item: dict[str, Any]) -> bool:
+    """An input item that names a stored item by id: `type: item_reference`, or (the type being optional)
+    an item with an id and neither a type nor a role."""
+    kind = item.get("type")
+    return kind == "item_reference" or (kind is None and "role" not in item and "id" in item)
 
 
 class Responses:
@@ -189,8 +219,10 @@ class Responses:
                     param="model",
                     code="responses_unsupported",
                 )
-        default = settings.responses.default_model
-        self.default_model = default if default is not None else next(iter(self.chains), None)
+        if settings.responses.default_model is not None:
+            log.warning(
+                "responses.default_model is ignored: a response id without an owner record is answered with a 404"
+            )
         # Background mode: passed through to backends that have it, else run here (background_jobs.py).
         self.background = Background(settings, upstreams, store)
         native = {name for name, backend in settings.backends.items() if backend.type in NATIVE_BACKGROUND}
@@ -225,12 +257,12 @@ class Responses:
         starter = self.starters.get(("responses", ex.model)) if background else None
         ex.targets = [starter] if starter is not None else list(self.chains[ex.model])
 
-    async def start(self) -> None:
-        await self.background.start()
-
     async def handle(self, scope: Scope, receive: Receive, send: Send, rest: str, jobs: bool = False) -> None:
         """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items;
-        with `jobs`, GET /v1/sluice/background/{id} and GET /v1/sluice/background/{id}/events."""
+        with `jobs`, GET /v1/sluice/background/{id} and GET /v1/sluice/background/{id}/events.
+
+        Only the path is judged here; the id is looked up by `admit`, after auth, so that a request without
+        a valid key learns nothing about it."""
         started = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         rid = request.request_id(headers)
@@ -253,29 +285,106 @@ class Responses:
         except errors.GatewayError as exc:
             await send_error(send, exc, rid)
             return
+        query: bytes = scope.get("query_string", b"")
+        # The model is unknown until the owner is read (admit): "" meanwhile, which no model is called.
+        ex = Exchange(rid, JOBS_ENDPOINT if jobs else "responses", headers, b"", {"model": UNKNOWN_MODEL}, started)
+        ex.method = method.encode()
+        ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
+        ex.stream = operation == "events" or (method == "GET" and not operation and b"stream=true" in query)
+        ex.mark("parse", started)
+        await self.pipeline.serve(ex, receive, send)
+
+    async def admit(self, ex: Exchange) -> None:
+        """The pipeline's admission step, after the plugins' on_request (the tenant is known) and before any
+        upstream: a stored object's operation gets its owner's target, or a 404 / 503; a create's references
+        to stored objects are checked against the tenant. Timed as stage "index" when it reads the index."""
+        if not ex.resource and not self._references(ex):
+            return
+        since = time.perf_counter()
+        try:
+            if ex.resource:
+                await self._find(ex)
+            else:
+                await self._check_references(ex)
+        except StoreUnavailable:
+            raise unavailable(ex.endpoint == JOBS_ENDPOINT) from None
+        finally:
+            ex.mark("index", since)
+
+    async def _find(self, ex: Exchange) -> None:
+        jobs = ex.endpoint == JOBS_ENDPOINT
+        ident = ex.resource[1:].partition("/")[0].partition("?")[0]
         owner = await self.index.lookup(ident)
-        model = owner.model if owner is not None else None if jobs else self.default_model
-        target = self.upstreams.targets.get(model) if model is not None else None
-        job = owner is not None and owner.job
+        if owner is None or owner.tenant != ex.tenant:
+            raise not_found(ident)
+        target = self.upstreams.targets.get(owner.model)
+        job = owner.job
         # Each path reads its own kind: a Responses job or stored response under /v1/responses, a chat job
         # under /v1/sluice/background.
         wrong_path = (job and ident.startswith("resp_") == jobs) or (jobs and not job)
         if target is None or (target.backend not in self.wrapped and not job) or wrong_path:
-            await send_error(send, not_found(ident), rid)
-            return
-        query: bytes = scope.get("query_string", b"")
-        ex = Exchange(rid, "chat/completions" if jobs else "responses", headers, b"", {"model": target.model}, started)
-        ex.method = method.encode()
-        ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
-        ex.stream = operation == "events" or (method == "GET" and not operation and b"stream=true" in query)
+            raise not_found(ident)
         system = target.provider.system
         if job:
             provider: Any = Reader(self.background, self.index, ident, system)
         else:
             provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
+        ex.model = target.model
         ex.targets = [_rewrap(target, provider, timed=False)]
-        ex.mark("parse", started)
-        await self.pipeline.serve(ex, receive, send)
+
+    def _references(self, ex: Exchange) -> bool:
+        """Whether a create has anything to check: a reference to a stored object, or a store to keep it in
+        that is full. One dict lookup each for most requests, which have neither."""
+        body = ex.json
+        if body.get("store") is not False and self.index.full:
+            # Its owner could not even be kept until Redis takes it: refuse it before it is made upstream.
+            raise errors.ServiceUnavailableError(
+                "the response store is unavailable, so a stored response cannot be made now; retry shortly, "
+                "or send store: false",
+                code="response_store_unavailable",
+                headers=[RETRY_AFTER],
+            )
+        conversation = body.get("conversation")
+        if conversation is not None:
+            given = conversation.get("id") if isinstance(conversation, dict) else conversation
+            # The gateway serves no Conversations API, so no conversation has an owner here: none is usable.
+            message = f"Conversation with id '{given}' not found."
+            raise errors.GatewayError(message, status=404, type="invalid_request_error", param="conversation")
+        if body.get("previous_response_id") is not None:
+            return True
+        given = body.get("input")
+        return isinstance(given, list) and any(isinstance(item, dict) and _is_reference(item) for item in given)
+
+    async def _check_references(self, ex: Exchange) -> None:
+        body = ex.json
+        keys: list[str] = []
+        named: list[tuple[str, str]] = []  # (what, id) for each key, for the 404
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise errors.BadRequestError("'previous_response_id' must be a string", param="previous_response_id")
+            if not RESPONSE_ID.fullmatch(previous):
+                raise reference_not_found("previous_response_id", previous)  # not an id: nobody's
+            keys.append(index_key(previous))
+            named.append(("previous_response_id", previous))
+        given = body.get("input")
+        if isinstance(given, list):
+            for item in given:
+                if isinstance(item, dict) and _is_reference(item):
+                    ref = item.get("id")
+                    if not isinstance(ref, str):
+                        raise errors.BadRequestError("an item_reference needs a string 'id'", param="input")
+                    if not RESPONSE_ID.fullmatch(ref):
+                        raise reference_not_found("input", ref)
+                    keys.append(item_key(ref))
+                    named.append(("input", ref))
+        for owner, (param, ident) in zip(await self.index.owners(keys), named, strict=True):
+            if owner is None or owner.tenant != ex.tenant:
+                raise reference_not_found(param, ident)
+
+    async def start(self) -> None:
+        await self.index.start()
+        await self.background.start()
 
     async def aclose(self) -> None:
         await self.background.aclose()

@@ -162,6 +162,7 @@ class Jobs(Protocol):
     ) -> bool: ...
     async def events(self, ident: str, after: int, count: int = 512) -> list[tuple[int, bytes]]: ...
     async def release(self, job: Job) -> None: ...
+    async def delete(self, job: Job) -> None: ...
     async def renew(self, instance: str, running: Sequence[Job]) -> Renewal: ...
     async def prepare(self) -> None: ...
     async def alive(self, instance: str) -> bool: ...
@@ -230,6 +231,11 @@ class RedisJobs:
 
     async def release(self, job: Job) -> None:
         await self.store.execute("ZREM", inflight_key(job.tenant), job.ident)
+
+    async def delete(self, job: Job) -> None:
+        """Its record (with its input items) and its events, for every instance. An owner still running it
+        finds the record gone at its next renewal and stops; nothing is appended to a job without a record."""
+        await self.store.pipeline([["DEL", job_key(job.ident)], ["DEL", events_key(job.ident)]])
 
     async def renew(self, instance: str, running: Sequence[Job]) -> Renewal:
         """The lease, the running jobs' slots and a look at their records, in one round trip the breaker lets by."""
@@ -341,6 +347,11 @@ class MemoryJobs:
 
     async def release(self, job: Job) -> None:
         return None  # the in-flight count is taken from the statuses
+
+    async def delete(self, job: Job) -> None:
+        self.jobs.pop(job.ident, None)
+        self.streams.pop(job.ident, None)
+        self._wake(job.ident)
 
     async def renew(self, instance: str, running: Sequence[Job]) -> Renewal:
         ended: dict[str, str | None] = {}

@@ -148,7 +148,8 @@ class Auth:
                     raise AuthenticationError(f"Incorrect API key provided (sha256:{short}...).")
                 return
             principal = found
-        if principal.models is not None and ex.model not in principal.models:
+        # A stored object's operation names no model (it is its owner's, read after auth): nothing to allow.
+        if principal.models is not None and not ex.resource and ex.model not in principal.models:
             raise PermissionDeniedError(f"tenant {principal.tenant!r} may not use model {ex.model!r}", param="model")
         ex.tenant = principal.tenant
         ex.state["auth"] = short

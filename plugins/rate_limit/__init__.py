@@ -169,6 +169,24 @@ def build_plans(config: Config, models: Iterable[str]) -> dict[tuple[str, str], 
     return plans
 
 
+# The model of a stored object's operation until its owner is read (gateway/responses/api.py), which
+# happens after this plugin: such an operation is charged to its tenant's requests buckets only.
+STORED = ""
+
+
+def read_plans(config: Config) -> dict[tuple[str, str], Plan]:
+    """A plan per tenant with a requests limit, for reads and cancels of stored objects: one request from the
+    tenant-wide requests bucket (the same bucket every other request of the tenant takes from), no tokens."""
+    plans: dict[tuple[str, str], Plan] = {}
+    for tenant, spec in config.tenants.items():
+        limits = spec.rate_limit
+        if limits.requests_per_minute is not None:
+            key = f"sluice:rl:{{{tenant}}}:" + REQUESTS  # as build_plans names it: one bucket for both
+            bucket = Bucket(key, REQUESTS, limits.requests_per_minute, f"tenant {tenant}")
+            plans[(tenant, STORED)] = Plan.of((bucket,))
+    return plans
+
+
 class RateLimit:
     """The plugin: admits in on_request, reports in on_response, corrects in on_complete."""
 
@@ -192,7 +210,7 @@ class RateLimit:
                 )
 
     def __init__(self, config: Config, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
-        self.plans = build_plans(config, settings.models)
+        self.plans = {**build_plans(config, settings.models), **read_plans(config)}
         self.default_max_tokens = config.section.default_max_tokens
         self.lease_settings = config.section
         self.clock = clock
@@ -234,9 +252,11 @@ class RateLimit:
             await self.leases.aclose()  # unused units go back to the shared buckets now, not at lapse
 
     async def on_request(self, ex: Exchange) -> None:
+        # Reading or cancelling a stored object generates nothing, but costs a request like any other (its
+        # model is STORED until the owner is read, after this plugin): a tenant cannot read without limit.
         key = (ex.tenant, ex.model)
         plan = self.plans.get(key)
-        if plan is None or ex.resource:  # reading or cancelling a stored response generates nothing
+        if plan is None:
             return
         reserved, completion = estimate(ex, self.default_max_tokens) if plan.tokens else (0, 0)
         route = None

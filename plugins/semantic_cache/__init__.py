@@ -198,6 +198,16 @@ class SemanticCache:
         elif section.embedding_model and section.embedding_model not in settings.models:
             yield "semantic_cache.embedding_model", f"no model named {section.embedding_model!r} in models"
 
+    @classmethod
+    def purge(cls, config: Config, _settings: Settings, tenant: str, model: str | None) -> tuple[int, str]:
+        """`sluice cache purge`: a tenant's entries out of the shared store (the in-process one is each gateway's)."""
+        store = config.section.store
+        if store.type == "memory":
+            return 0, "entries are in each gateway's memory (store: memory) and expire with semantic_cache.ttl_s"
+        from plugins.semantic_cache.pgvector import purge
+
+        return asyncio.run(purge(store.dsn, store.table, tenant, model, store.timeout_s)), ""
+
     async def startup(self, runtime: Runtime) -> None:
         from plugins.semantic_cache.embedder import Embedder
 

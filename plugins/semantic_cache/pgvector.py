@@ -253,3 +253,21 @@ class PgvectorStore:
                 )
             removed += int(status.rsplit(" ", 1)[-1])
         return removed
+
+
+async def purge(dsn: str, table: str, tenant: str, model: str | None, timeout_s: float) -> int:
+    """Delete a tenant's entries (of one model) from every dimension's table, over one connection."""
+    connection = await asyncio.wait_for(asyncpg.connect(dsn), timeout_s * 5)
+    try:
+        names = await connection.fetch("SELECT tablename FROM pg_tables WHERE tablename ~ $1", f"^{table}_[0-9]+$")
+        removed = 0
+        for row in names:
+            name = row["tablename"]
+            if model is None:
+                status = await connection.execute(f"DELETE FROM {name} WHERE tenant = $1", tenant)
+            else:
+                status = await connection.execute(f"DELETE FROM {name} WHERE tenant = $1 AND model = $2", tenant, model)
+            removed += int(status.rsplit(" ", 1)[-1])
+        return removed
+    finally:
+        await connection.close()

@@ -308,7 +308,10 @@ class SemanticCache:
             if candidate.entry.endpoint != ex.endpoint:
                 continue
             if query is not None:
-                kind = guards.compare(query, guards.profile(candidate.entry.text))
+                entry = candidate.entry
+                if entry.profile is None:
+                    entry.profile = guards.profile(entry.text)
+                kind = guards.compare(query, entry.profile)
                 if kind is not None:
                     vetoed.append(kind)
                     continue
@@ -374,6 +377,8 @@ class SemanticCache:
         where = Where(ex.tenant, ex.model, state.lookup.partition)
         entry = Entry(where, state.lookup.text, ex.endpoint, served_model, answer, now, now + state.policy.ttl_s)
         entry.vector = vector
+        if state.policy.guards:
+            entry.profile = guards.profile(entry.text)  # here, off the path of the lookups that will meet it
         try:
             await self.store.add(entry)
         except StoreDown as exc:

@@ -67,6 +67,9 @@ class Entry:
     expires: float
     ident: str = ""  # the store's id for it, shown on a hit (span, access log)
     vector: Vector | None = field(default=None, repr=False)
+    # The guards' profile of `text` (guards.Profile), made when it is stored, so that a lookup profiles only the
+    # query (an in-process entry keeps it; one read from PostgreSQL is profiled when a lookup meets it).
+    profile: Any = field(default=None, repr=False)
 
     @property
     def age_s(self) -> float:
@@ -74,9 +77,9 @@ class Entry:
 
     @property
     def size(self) -> int:
-        """Bytes it holds in memory, roughly: its answer, text and vector, plus bookkeeping."""
+        """Bytes it holds in memory, roughly: its answer, text and vector, plus its guard profile and bookkeeping."""
         vector = 0 if self.vector is None else int(self.vector.nbytes)
-        return len(self.answer) + len(self.text) * 2 + vector + 400
+        return len(self.answer) + len(self.text) * 6 + vector + 1000
 
 
 @dataclass(frozen=True, slots=True)

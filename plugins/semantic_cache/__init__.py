@@ -255,7 +255,7 @@ class SemanticCache:
             ex.state[NAME] = Pending(policy, lookup, None)
             return None
         embedder = self.embedders[policy.rules.embedding_model]
-        task = asyncio.get_running_loop().create_task(self._embed(embedder, lookup.text, ex))
+        task = self._start(embedder, lookup.text, ex)
         pending = Pending(policy, lookup, task)
         ex.state[NAME] = pending
         try:
@@ -272,11 +272,20 @@ class SemanticCache:
             if not task.done():
                 self._follow(task)
             return None
+        except asyncio.CancelledError:  # the client left: the embedding runs out its own bound
+            if not task.done():
+                self._follow(task)
+            raise
         except Exception as exc:  # the embedder failed: counted, and the request goes on upstream
             log.debug("semantic cache: embedding failed for %s: %s", ex.request_id, exc)
             self._result(ex, Served("error"))
             return None
         return self._choose(ex, pending, candidates)
+
+    def _start(self, embedder: Embedder, text: str, ex: Exchange) -> asyncio.Task[Vector]:
+        task = asyncio.get_running_loop().create_task(self._embed(embedder, text, ex))
+        task.add_done_callback(_retrieved)  # a failure nobody awaits any more is not an unretrieved exception
+        return task
 
     async def _embed(self, embedder: Embedder, text: str, ex: Exchange) -> Vector:
         async with asyncio.timeout(self.settings.embed_timeout_ms / 1000.0):
@@ -286,10 +295,8 @@ class SemanticCache:
         """Count a lookup that outlived its deadline until it ends (it is bounded by embed_timeout_ms)."""
         self.pending += 1
 
-        def ended(done: asyncio.Task[Vector]) -> None:
+        def ended(_: asyncio.Task[Vector]) -> None:
             self.pending -= 1
-            if not done.cancelled():
-                done.exception()  # retrieved, so that a failure is not reported as never retrieved
 
         task.add_done_callback(ended)
 
@@ -389,8 +396,7 @@ class SemanticCache:
     async def _vector(self, ex: Exchange, state: Pending) -> Vector | None:
         task = state.task
         if task is None:
-            embedder = self.embedders[state.policy.rules.embedding_model]
-            task = asyncio.get_running_loop().create_task(self._embed(embedder, state.lookup.text, ex))
+            task = self._start(self.embedders[state.policy.rules.embedding_model], state.lookup.text, ex)
         try:
             return await task
         except Exception as exc:
@@ -432,3 +438,8 @@ class SemanticCache:
                 return
             child = self._counted[labels] = series.labels(*labels[1:])
         child.inc()
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -10,8 +10,11 @@ import numpy as np
 import orjson
 import pytest
 
+from gateway.config import parse as parse_config
 from gateway.context import Exchange
 from gateway.server import request
+from gateway.settings import ConfigError
+from plugins.semantic_cache import SemanticCache
 from plugins.semantic_cache.embedder import EmbedFailed, parse
 from plugins.semantic_cache.key import Lookup, Rules, plan
 from plugins.semantic_cache.memory import MemoryStore
@@ -193,3 +196,42 @@ def test_pgvectors_binary_form_round_trips() -> None:
     data = encode_vector(vector)
     assert len(data) == 4 + 384 * 4
     assert np.array_equal(decode_vector(data), vector)
+
+
+# -- the config
+
+
+BASE = """
+backends:
+  sim: {type: simulated}
+models:
+  chat: {backend: sim}
+  embed: {backend: sim}
+"""
+
+
+def problems(text: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(BASE + text, "<test>")
+    return "\n".join(caught.value.lines)
+
+
+def test_the_config_names_what_is_missing_or_wrong() -> None:
+    assert "semantic_cache.embedding_model: required" in problems("plugins: [semantic_cache]\n")
+    assert "no model named 'nope'" in problems("semantic_cache: {embedding_model: nope}\nplugins: [semantic_cache]\n")
+    assert "store.dsn" in problems(
+        "semantic_cache: {embedding_model: embed, store: {type: pgvector}}\nplugins: [semantic_cache]\n"
+    )
+    # After the exact cache, whose hit always wins.
+    assert "'cache' must come before 'semantic_cache'" in problems(
+        "semantic_cache: {embedding_model: embed}\nplugins: [semantic_cache, cache]\n"
+    )
+
+
+def test_a_valid_config_caches_every_model_but_the_embedding_model() -> None:
+    text = BASE + "semantic_cache: {embedding_model: embed}\nplugins: [cache, semantic_cache]\n"
+    settings = parse_config(text, "<test>")
+    plugin = SemanticCache(settings.plugin_config("semantic_cache"), settings)
+    assert set(plugin.policies) == {"chat"}
+    assert plugin.policies["chat"].threshold == 0.85
+    assert plugin.policies["chat"].deadline_s == 0.03

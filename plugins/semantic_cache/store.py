@@ -35,6 +35,7 @@ class StoreSection(Strict):
     type: Literal["memory", "pgvector"] = "memory"
     max_entries: int = Field(10000, ge=0)  # memory: over all partitions, oldest out first
     max_bytes: int = Field(64 * 1024 * 1024, ge=0)  # memory: answers, texts and vectors
+    max_partition_entries: int = Field(2000, ge=1)  # memory: per partition, which bounds one search's work
     dsn: str = ""  # pgvector: postgresql://user:password@host:5432/db
     table: str = "sluice_semantic_cache"  # pgvector: tables <table>_<dimensions>
     pool_size: int = Field(4, ge=1)
@@ -118,4 +119,4 @@ def make(settings: StoreSection) -> Store:
         )
     from plugins.semantic_cache.memory import MemoryStore
 
-    return MemoryStore(settings.max_entries, settings.max_bytes)
+    return MemoryStore(settings.max_entries, settings.max_bytes, settings.max_partition_entries)

@@ -235,3 +235,12 @@ def test_a_valid_config_caches_every_model_but_the_embedding_model() -> None:
     assert set(plugin.policies) == {"chat"}
     assert plugin.policies["chat"].threshold == 0.85
     assert plugin.policies["chat"].deadline_s == 0.03
+
+
+async def test_a_partition_is_bounded_on_its_own_oldest_first() -> None:
+    store = MemoryStore(100, 10_000_000, max_partition_entries=3)
+    for seed in range(5):
+        await store.add(entry(ACME, seed))
+    await store.add(entry(GLOBEX, 9))
+    assert sorted(e.text for e in store.partitions[ACME].entries) == ["text 2", "text 3", "text 4"]
+    assert len(store) == 4  # the other partition is untouched

@@ -190,10 +190,12 @@ class SemanticCache:
             name = spec.semantic_cache.embedding_model
             if name is not None and name not in settings.models:
                 yield f"models.{model}.semantic_cache.embedding_model", f"no model named {name!r} in models"
-        enabled = [m for m, s in config.models.items() if (s.semantic_cache.enabled is not False) and section.enabled]
-        if not section.embedding_model and any(
-            config.models[m].semantic_cache.embedding_model is None for m in enabled
-        ):
+        enabled = [
+            spec.semantic_cache
+            for spec in config.models.values()
+            if (section.enabled if spec.semantic_cache.enabled is None else spec.semantic_cache.enabled)
+        ]
+        if not section.embedding_model and any(own.embedding_model is None for own in enabled):
             yield "semantic_cache.embedding_model", "required: a model of this config that serves /v1/embeddings"
         elif section.embedding_model and section.embedding_model not in settings.models:
             yield "semantic_cache.embedding_model", f"no model named {section.embedding_model!r} in models"

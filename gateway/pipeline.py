@@ -442,5 +442,6 @@ def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:
         "rejected_by": ex.rejected_by,
         "error": outcome.error,
         **ex.labels,  # what plugins report of the request (the cache's result)
+        **ex.attributes,  # and what they add to its span (the entry a semantic hit replayed, its similarity)
     }
     logger.info("%s %d", ex.endpoint, status, extra={"fields": fields})

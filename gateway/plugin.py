@@ -24,6 +24,9 @@ the plugins that must run before it. The loader (gateway/config.py) hands each p
 plugin's model and constructs the plugin with the result, a `Configured`; a part whose plugin is not
 listed is a config error, never a feature silently off. An optional `check(config, settings, listed)`
 classmethod returns further problems as (YAML path, message) pairs: cross-references the core cannot know.
+An optional `purge(config, settings, tenant, model)` classmethod removes a tenant's entries (of one model, or
+all when model is None) from what the plugin keeps outside any one process, for `sluice cache purge`; it
+returns (entries removed, a note for the operator or "").
 
 **Reports.** What telemetry needs from a plugin it says through the Exchange, never through its private
 state: `ex.labels[label] = value` for the metric labels it declares in `schema.labels` (also span
@@ -50,6 +53,7 @@ BUILTIN = {
     "rate_limit": "plugins.rate_limit:RateLimit",
     "cache": "plugins.cache:Cache",
     "slo": "plugins.slo:Slo",
+    "semantic_cache": "plugins.semantic_cache:SemanticCache",
 }
 # Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
 # add_arguments(parser) and main(args) -> exit code, imported only when its command runs.

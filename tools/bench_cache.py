@@ -13,7 +13,7 @@ whole exchange).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tools.bench_core import GATEWAY as CORE
 from tools.bench_figures import (
@@ -34,6 +34,9 @@ from tools.bench_figures import (
 )
 from tools.bench_load import Lane, Workload, health, send_all, unique_workload, workload
 from tools.bench_rig import LANE_WARM, Cells, GatewaySpec, Phase, Rig, add, rotated
+from tools.bench_semantic import Semantic
+from tools.bench_semantic import measure as measure_semantic
+from tools.bench_semantic import render as render_semantic
 from tools.bench_tenants import AUTH
 
 NAME = "cache"
@@ -81,6 +84,7 @@ class Cache:
     redis_log: list[str]  # what the two processes logged about Redis
     errors: int
     phase: Phase
+    semantic: Semantic | None = None  # the semantic cache's hits and misses (tools/bench_semantic.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +118,8 @@ async def measure(rig: Rig) -> Cache:
         for name in (L1.name, L2.name):
             failures += metric_sum(await rig.metrics(name), "sluice_redis_failures_total")
             logged += rig.logged(name, "redis")
-    return figures(cells, failures, logged, phase)
+    found = figures(cells, failures, logged, phase)
+    return replace(found, semantic=await measure_semantic(rig))
 
 
 async def stored(rig: Rig, shape: Shape) -> Workload:
@@ -230,6 +235,7 @@ def render(c: Cache) -> list[str]:
             f"{us(m.vs_auth.high)}) | {m.misses} / {m.requests} | {us(m.stage.p50, signed=False)} |"
             for m in c.misses
         ),
+        *(["", *render_semantic(c.semantic)] if c.semantic is not None else []),
     ]
 
 

@@ -11,7 +11,8 @@
   what each gateway process keeps in memory (L1) by configuration.
 - `purge --tenant T [--model M]`: UNLINK every entry of tenant T (of model M): a SCAN of T's key prefix,
   in batches, each key's tenant checked again before it goes. No other tenant's entry can match.
-  Gateways keep their in-memory (L1) copies until those expire (`ttl_s`).
+  Gateways keep their in-memory (L1) copies until those expire (`ttl_s`). Every other listed plugin that
+  keeps entries (the semantic cache) purges the tenant's too, through its `purge` (gateway/plugin.py).
 """
 
 from __future__ import annotations
@@ -305,17 +306,32 @@ def stats(settings: Settings, spec: str, out: TextIO) -> None:
 
 
 def purge(settings: Settings, tenant: str, model: str | None, out: TextIO) -> int:
-    removed = 0
-    with connect(settings) as r:
-        scan = r.scan_iter(match=layout.pattern(tenant, model), count=1000)
-        while batch := [key.decode() for _, key in zip(range(BATCH), scan, strict=False)]:
-            # The pattern already confines the scan to the tenant's prefix; check each key again all the same.
-            mine = [k for k in batch if (where := layout.parts(k)) and where[0] == tenant and model in (None, where[1])]
-            if mine:
-                removed += int(r.unlink(*mine))
+    # Other listed plugins that keep entries of their own (the semantic cache) purge theirs through the plugin
+    # contract's `purge` (gateway/plugin.py): this command neither knows nor imports them.
+    others = [(spec, hook) for spec in settings.plugins if callable(hook := getattr(load_class(spec), "purge", None))]
     scope = f"tenant {tenant}" + (f", model {model}" if model else "")
-    out.write(f"purged {removed} entries of {scope}\n")
-    out.write("gateways keep their in-memory (L1) copies until they expire (cache.ttl_s)\n")
+    removed = 0
+    if settings.redis.url or not others:
+        with connect(settings) as r:
+            scan = r.scan_iter(match=layout.pattern(tenant, model), count=1000)
+            while batch := [key.decode() for _, key in zip(range(BATCH), scan, strict=False)]:
+                # The pattern already confines the scan to the tenant's prefix; check each key again all the same.
+                mine = [
+                    k for k in batch if (where := layout.parts(k)) and where[0] == tenant and model in (None, where[1])
+                ]
+                if mine:
+                    removed += int(r.unlink(*mine))
+        out.write(f"purged {removed} entries of {scope}\n")
+        out.write("gateways keep their in-memory (L1) copies until they expire (cache.ttl_s)\n")
+    for spec, hook in others:
+        try:
+            count, note = hook(settings.plugin_config(spec), settings, tenant, model)
+        except Exception as exc:
+            raise CommandError(f"{spec}: {exc}", code=1) from None
+        removed += count
+        out.write(f"{spec}: purged {count} entries of {scope}\n")
+        if note:
+            out.write(f"{spec}: {note}\n")
     return removed
 
 

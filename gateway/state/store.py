@@ -81,6 +81,10 @@ class Store:
     def available(self) -> bool:
         return time.monotonic() >= self.open_until
 
+    def retry_in_s(self) -> float:
+        """Seconds until the breaker lets a call through again (0 or less: now)."""
+        return self.open_until - time.monotonic()
+
     async def execute(self, *command: Arg) -> Any:
         """One command, one round trip: `await store.execute("GET", key)`."""
         # _check and _guarded written out: the request path's Redis calls come this way, and each call or

@@ -411,8 +411,15 @@ def test_what_a_lease_knows_of_the_shared_bucket() -> None:
     assert lease.wait(500.0, 10) == 600  # 6 missing, 10 a second
     assert lease.fresh(999.0)
     assert not lease.fresh(1000.0)
-    lease.reset()
-    assert (lease.free, lease.settle, lease.known(0.0)) == (0, 0, 600)
+    # A sync fails at 900 ms, with the store tried again 1 s later: what was known stays, and stays the basis
+    # of decisions until then, past its usual lifetime.
+    lease.failed(900.0, 1000.0)
+    assert (lease.free, lease.settle) == (1, 5)
+    assert lease.known(900.0) == pytest.approx(8)
+    assert lease.fresh(1899.0)
+    assert not lease.fresh(1900.0)
+    lease.failed(1900.0, 1000.0)  # stale by then: not extended again, the in-process buckets decide
+    assert not lease.fresh(1901.0)
 
 
 def test_the_over_admission_bound_holds_for_four_processes() -> None:

@@ -186,6 +186,10 @@ def test_tracing_off_forwards_the_clients_traceparent(upstreams: Upstreams) -> N
     ex = exchange(upstreams, headers=[(b"traceparent", b"nonsense")])
     tracecontext.forward(ex)
     assert ex.traceparent is None
+    # A later version is read for its four fields and goes on as version 00: never the client's bytes.
+    ex = exchange(upstreams, headers=[(b"traceparent", f"01-{TRACE}-{PARENT}-01-{'x' * 8192}".encode())])
+    tracecontext.forward(ex)
+    assert ex.traceparent == value
 
 
 def test_begin_starts_a_trace(traced: tuple[Tracing, InMemorySpanExporter, Fates], upstreams: Upstreams) -> None:

@@ -17,6 +17,7 @@ client library's objects. Underneath is the lean pipelined client of `resp.py` (
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -95,6 +96,8 @@ class Store:
             result = await self.client.call(command)
         except Exception as exc:
             raise self._trip(exc) from exc
+        except asyncio.CancelledError as exc:
+            raise self._stray(exc) from None
         if self.down:
             self._recovered()
         return result
@@ -134,6 +137,8 @@ class Store:
             result = await call
         except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
+        except asyncio.CancelledError as exc:
+            raise self._stray(exc) from None
         self._recovered()
         return result
 
@@ -148,6 +153,16 @@ class Store:
             self.down = True
             log.warning("redis unavailable (%s): falling back to in-process state", type(exc).__name__)
         return StoreUnavailable(str(exc) or type(exc).__name__)
+
+    def _stray(self, exc: asyncio.CancelledError) -> BaseException:
+        """A cancellation from below that nobody asked of the caller (something the client awaited was
+        cancelled): a failed call like any other, so that the caller falls back by its rule. The caller's own
+        cancellation (a client gone, a shutdown) goes on as it came."""
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            return exc
+        log.warning("redis call cancelled from below, taken as a failure", exc_info=exc)
+        return self._trip(ConnectionError("redis call cancelled"))
 
     def _recovered(self) -> None:
         if self.down:

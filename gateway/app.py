@@ -26,6 +26,7 @@ from gateway.pipeline import refusal_line
 from gateway.responses.api import JOB_PREFIX
 from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
+from gateway.server import lifeline
 from gateway.server.reply import send_error
 from gateway.server.request import request_id
 from gateway.settings import Settings
@@ -175,6 +176,8 @@ class Gateway:
 def create_app(settings: Settings | None = None) -> Gateway:
     """The app for `settings`, else for the config found by `settings.load()` (used by uvicorn workers)."""
     if settings is None:
+        # A worker of `sluice serve --workers N` (uvicorn imports the app in each): it exits with its supervisor.
+        lifeline.arm()
         settings = load()
         if os.environ.get("SLUICE_ACCESS_LOG") == "1":  # `serve --workers N --access-log` sets it
             settings = settings.model_copy(update={"log": settings.log.model_copy(update={"access": True})})

@@ -87,6 +87,7 @@ def serve(args: argparse.Namespace) -> None:
             os.environ["SLUICE_ACCESS_LOG"] = "1"
         # Each worker ties itself to this process and exits when it dies, however (gateway/server/lifeline.py).
         os.environ[lifeline.SUPERVISOR] = str(os.getpid())
+        os.environ["SLUICE_LISTEN"] = f"{listen.host}:{listen.port}"  # what --host and --port made of the config
         # Each worker writes its metrics to files in this directory, in batches, and a scrape sums them
         # (gateway/telemetry/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory,
         # but not passed on as such: it would put prometheus_client in its own mode, one file write per observation.

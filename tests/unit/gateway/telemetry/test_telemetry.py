@@ -715,7 +715,8 @@ def test_the_compose_gateway_config_points_at_the_stack(monkeypatch: pytest.Monk
     scrape = load_yaml("config/prometheus.yml")["scrape_configs"]
     (job,) = [job for job in scrape if job["job_name"] == "sluice"]
     assert job["metrics_path"] == "/metrics"
-    assert job["static_configs"][0]["targets"] == [f"gateway:{settings.listen.port}"]
+    assert job["static_configs"][0]["targets"] == [f"gateway:{settings.admin.port}"]  # the admin listener
+    assert f"{settings.admin.port}:{settings.admin.port}" not in compose()["gateway"]["ports"]  # not on the host
 
 
 def test_the_dockerfile_serves_the_mounted_config() -> None:

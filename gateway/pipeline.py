@@ -280,7 +280,7 @@ class Pipeline:
                     raise
             return await self._upstream(ex)
         except errors.GatewayError as exc:
-            outcome.error = exc.message
+            outcome.error = exc.detail or exc.message  # the log's: what the client's message leaves out
             return Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
         except Exception as exc:
             # A bug in a plugin or here must still get an answer in the client's format, and a log line.

@@ -1,15 +1,17 @@
-"""What goes upstream is what the gateway decided on: a rebuilt trace context, and bodies without repeated
-deciding fields. The stand-in upstream records every request exactly as it received it."""
+"""What goes upstream is what the gateway decided on (a rebuilt trace context, bodies without repeated deciding
+fields), and what comes back of an upstream's failure is generic (the log keeps the detail). The stand-in
+upstream records every request exactly as it received it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.support.gateway import RunningGateway, gateway_thread
-from tests.support.upstream import Ok, ScriptedUpstream
+from tests.support.gateway import RunningGateway, free_port, gateway_thread
+from tests.support.upstream import Ok, ResetMidStream, ScriptedUpstream, Status
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -127,3 +129,102 @@ def test_the_same_names_nested_or_as_values_are_not_repeats(
     assert sent["model"] == "small"
     assert sent["metadata"] == {"n": "1", "stream": "x"}
     assert set(sent["tools"][0]["function"]["parameters"]["properties"]) == {"model", "n"}
+
+
+# -- what a client is told of an upstream's failure ------------------------------------------------------------
+
+SECRET_BODY = b"FATAL: connection to postgres://app:hunter2@db.internal:5432/llm failed; worker 10.1.2.3:9000"
+
+
+def test_an_upstream_5xx_body_never_reaches_the_client(
+    gateway: RunningGateway, upstream: ScriptedUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="sluice.upstream")
+    upstream.script(Status(503, SECRET_BODY))
+    response = post(gateway, CHAT)
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] == "model 'chat': the upstream failed (status 503)"
+    assert error["type"] == "upstream_error"
+    for leak in (b"postgres", b"hunter2", b"db.internal", b"10.1.2.3", b"FATAL"):
+        assert leak not in response.content
+    assert any("FATAL: connection to postgres" in r.getMessage() for r in caplog.records)  # the log keeps it
+
+
+def test_an_upstream_429_about_the_gateways_account_is_generic(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    quota = {
+        "error": {
+            "message": "Rate limit reached for gpt-4o in organization org-Zq7dKx19aQ2mWv on tokens per min (TPM): "
+            "Limit 30000, Used 29000, Requested 2000.",
+            "type": "tokens",
+            "code": "rate_limit_exceeded",
+        }
+    }
+    upstream.script(Status(429, quota, headers={"retry-after": "7"}))
+    response = post(gateway, CHAT)
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert "org-" not in response.text and "30000" not in response.text
+    assert error["code"] == "rate_limit_exceeded"
+    assert response.headers["retry-after"] == "7"  # the client's SDK still backs off as advised
+
+
+def test_an_upstream_400_about_the_clients_field_keeps_its_message_without_identifiers(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    invalid = {
+        "error": {
+            "message": "Invalid value for 'temperature': must be at most 2 (org-Zq7dKx19aQ2mWv, proj_AbCdEf123456; "
+            "see https://docs.internal.example:8443/limits, key sk-proj-abc***xyz).",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "invalid_value",
+        }
+    }
+    upstream.script(Status(400, invalid))
+    response = post(gateway, CHAT)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith("Invalid value for 'temperature': must be at most 2")
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "temperature", "invalid_value")
+    for leak in ("org-", "proj_", "docs.internal", "8443", "sk-"):
+        assert leak not in error["message"]
+
+
+def test_a_stream_cut_mid_way_says_so_without_the_upstreams_address(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    upstream.script(ResetMidStream(after_chunks=2))
+    body = b'{"model":"chat","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    response = post(gateway, body)
+    assert response.status_code == 200
+    assert "upstream stream failed: the upstream connection was cut" in response.text
+    assert "127.0.0.1" not in response.text and str(upstream.port) not in response.text
+    assert response.text.rstrip().endswith("data: [DONE]")
+
+
+def test_an_unreachable_upstream_is_named_by_the_model_not_its_address(caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()  # nothing listens there
+    config = f"""
+backends:
+  gone: {{type: openai, base_url: "http://127.0.0.1:{port}/v1", api_key: sk-backend}}
+pool: {{warm_connections: 0}}
+models:
+  chat: {{backend: gone}}
+"""
+    caplog.set_level(logging.INFO, logger="sluice.upstream")
+    with gateway_thread(config) as gw:
+        response = post(gw, CHAT)
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error == {
+        "message": "model 'chat': the upstream could not be reached",
+        "type": "upstream_error",
+        "param": None,
+        "code": "connect_error",
+    }
+    assert str(port) not in response.text
+    assert any(str(port) in r.getMessage() for r in caplog.records)  # the log says where

@@ -226,7 +226,8 @@ class Gateway:
 
     def _unauthorized(self, request: Request) -> Response:
         error = errors.AuthenticationError(
-            "this route needs the gateway's admin token: Authorization: Bearer <admin.token>", code="invalid_admin_token"
+            "this route needs the gateway's admin token: Authorization: Bearer <admin.token>",
+            code="invalid_admin_token",
         )
         rid = request_id(request.scope["headers"])
         self._refused(f"{request.method} {request.url.path}", error, rid)

@@ -96,8 +96,14 @@ def test_two_traceparent_headers_are_not_passed_on(gateway: RunningGateway, upst
         (b'{"model" : "other", "messages": [{"role": "user", "content": "hi"}], "model":\n"chat"}', "model"),
         (b'{"model":"chat","stream":false,"messages":[{"role":"user","content":"hi"}],"stream":true}', "stream"),
         (b'{"model":"chat","n":1,"n":50,"messages":[{"role":"user","content":"hi"}]}', "n"),
-        (b'{"model":"chat","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"max_tokens":9999}', "max_tokens"),
-        (b'{"model":"chat","temperature":0,"temperature":1,"messages":[{"role":"user","content":"hi"}]}', "temperature"),
+        (
+            b'{"model":"chat","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"max_tokens":9999}',
+            "max_tokens",
+        ),
+        (
+            b'{"model":"chat","temperature":0,"temperature":1,"messages":[{"role":"user","content":"hi"}]}',
+            "temperature",
+        ),
     ],
 )
 def test_a_repeated_deciding_field_is_refused_before_anything_goes_upstream(
@@ -167,7 +173,8 @@ def test_an_upstream_429_about_the_gateways_account_is_generic(
     response = post(gateway, CHAT)
     assert response.status_code == 429
     error = response.json()["error"]
-    assert "org-" not in response.text and "30000" not in response.text
+    assert "org-" not in response.text
+    assert "30000" not in response.text
     assert error["code"] == "rate_limit_exceeded"
     assert response.headers["retry-after"] == "7"  # the client's SDK still backs off as advised
 
@@ -202,7 +209,8 @@ def test_a_stream_cut_mid_way_says_so_without_the_upstreams_address(
     response = post(gateway, body)
     assert response.status_code == 200
     assert "upstream stream failed: the upstream connection was cut" in response.text
-    assert "127.0.0.1" not in response.text and str(upstream.port) not in response.text
+    assert "127.0.0.1" not in response.text
+    assert str(upstream.port) not in response.text
     assert response.text.rstrip().endswith("data: [DONE]")
 
 

@@ -19,7 +19,7 @@ EXIT_WITHIN_S = 2.0  # the promise (docs/operations.md); the lifeline ends a wor
 
 
 def children(pid: int) -> set[int]:
-    found = set()
+    found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         text = (task / "children").read_text().split()
         found.update(int(child) for child in text)
@@ -66,7 +66,10 @@ def test_a_killed_supervisors_workers_exit(tmp_path: Path, when: str) -> None:
         os.kill(supervisor, signal.SIGKILL)
         gw.proc.wait(10)
         wait_until(
-            lambda: not any(alive(pid) for pid in workers), timeout=EXIT_WITHIN_S * 3, interval=0.02, what="workers gone"
+            lambda: not any(alive(pid) for pid in workers),
+            timeout=EXIT_WITHIN_S * 3,
+            interval=0.02,
+            what="workers gone",
         )
         took = time.monotonic() - killed
         log = gw.log_text()

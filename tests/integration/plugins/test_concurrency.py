@@ -117,7 +117,8 @@ def test_a_tenants_own_cap_and_the_sdk_sees_a_rate_limit(gateway: RunningGateway
     # A request that was refused left nothing counted: the next one is served.
     answer = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].finish_reason == "stop"
-    assert gateway.app is not None and gateway.app.runtime is not None
+    assert gateway.app is not None
+    assert gateway.app.runtime is not None
     gateway.settle()
     (limiter,) = [p for p in gateway.app.runtime.plugins if p.name == "rate_limit"]
     assert getattr(limiter, "concurrency").inflight == {}  # noqa: B009 - the plugin's own counter, not the core's

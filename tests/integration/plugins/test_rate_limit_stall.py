@@ -57,7 +57,8 @@ async def paced(client: httpx.AsyncClient, url: str, seconds: float, on_time: li
 
 async def test_a_drained_tenant_stays_limited_through_a_redis_stall(redis_server: RedisServer) -> None:
     with gateway_thread(config(redis_server.url)) as gw:
-        assert gw.app is not None and gw.app.runtime is not None
+        assert gw.app is not None
+        assert gw.app.runtime is not None
         store = gw.app.runtime.store
         assert store is not None
         url = f"{gw.base_url}/chat/completions"

@@ -98,13 +98,13 @@ def test_planned_failovers_under_load_fail_no_request(cluster: RedisCluster, tmp
             loader = threading.Thread(target=load, args=(pool,))
             loader.start()
             try:
-                time.sleep(1.0)  # not a wait for a condition: steady load before the first failover
+                time.sleep(2.0)  # not a wait for a condition: steady load before the first failover
                 done = 0
                 while done < FAILOVERS:
                     for master in masters(cluster)[: FAILOVERS - done]:
                         fail_over(cluster, master)
                         done += 1
-                        time.sleep(3.0)  # load on the new map before the next failover
+                        time.sleep(4.0)  # load on the new map before the next failover
             finally:
                 stop.set()
                 loader.join(15)

@@ -45,8 +45,8 @@ MAX_DEPTH = 128
 # the cache's determinism, ownership of stored objects, streaming). JSON leaves a repeated key to the reader
 # (RFC 8259: "the names within an object SHOULD be unique"): orjson keeps the last, another parser may keep the
 # first, so a body that repeats one of these could be judged on one value and served on the other. One pass of
-# this pattern finds every candidate key; only a body with more of them than the parsed object has such keys
-# (a repeat, or the same name nested deeper, e.g. in a tool's schema) is parsed again, keeping pairs.
+# this pattern finds every candidate key; only a body in which one of them is found twice (a repeat, or the same
+# name nested deeper, e.g. in a tool's schema) is parsed again, keeping pairs.
 DECIDED = (
     "model",
     "stream",
@@ -146,8 +146,8 @@ def too_deep(data: dict[str, Any], limit: int) -> bool:
 def repeated(body: bytes, data: dict[str, Any]) -> str | None:
     """The first field of DECIDED that the body's top-level object has more than once, else None."""
     found = DECIDED_KEYS.findall(body)
-    if len(found) <= sum(1 for key in DECIDED if key in data):
-        return None  # each key present was matched once at least: no room for a repeat
+    if len(found) < 2 or len(set(found)) == len(found):
+        return None  # no name matched twice anywhere in the body: none can be repeated at the top level
     top: list[list[tuple[str, Any]]] = []
 
     def keep(pairs: list[tuple[str, Any]]) -> None:

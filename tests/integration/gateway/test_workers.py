@@ -58,10 +58,11 @@ def test_a_killed_supervisors_workers_exit(tmp_path: Path, when: str) -> None:
             thread.start()
         assert streaming.wait(30)
         if when == "during its shutdown":
-            # The supervisor asks its workers to stop; they wait for the streams (shutdown.grace_s, 30 s)...
+            # The supervisor asks its workers to stop; a worker waits for its streams (shutdown.grace_s, 30 s)...
             os.kill(supervisor, signal.SIGTERM)
             time.sleep(0.3)  # not a wait for a condition: the SIGTERM reaches the workers first
-            assert all(alive(pid) for pid in workers)  # ...still draining, as they should
+            # ...still draining, as it should: the one holding streams (one without any may be gone already).
+            assert any(alive(pid) for pid in workers)
         killed = time.monotonic()
         os.kill(supervisor, signal.SIGKILL)
         gw.proc.wait(10)

@@ -50,6 +50,7 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
+    from gateway.server import lifeline
     from gateway.settings import Listen, LogSettings
     from gateway.telemetry import logs, metric_files
     from gateway.upstream import descriptors
@@ -84,6 +85,9 @@ def serve(args: argparse.Namespace) -> None:
             os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
         if log.access:
             os.environ["SLUICE_ACCESS_LOG"] = "1"
+        # Each worker ties itself to this process and exits when it dies, however (gateway/server/lifeline.py).
+        os.environ[lifeline.SUPERVISOR] = str(os.getpid())
+        os.environ["SLUICE_LISTEN"] = f"{listen.host}:{listen.port}"  # what --host and --port made of the config
         # Each worker writes its metrics to files in this directory, in batches, and a scrape sums them
         # (gateway/telemetry/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory,
         # but not passed on as such: it would put prometheus_client in its own mode, one file write per observation.

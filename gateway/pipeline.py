@@ -49,6 +49,7 @@ PASSED = frozenset(
     {b"content-type", b"location", b"openai-processing-ms", b"openai-version", b"apim-request-id", b"x-ms-region"}
 )
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+INTERNAL_CANCELLED = errors.GatewayError("internal gateway error (CancelledError)", code="internal_error")
 WATCH_AFTER_S = 0.05
 
 
@@ -160,15 +161,22 @@ class Pipeline:
             await self._respond(ex, send, outcome)
             ended = True
         except asyncio.CancelledError:
+            cancelled = task.cancelling() > 0  # this request's task was cancelled, not something it awaited
             task.uncancel()
             if outcome.client_gone:
                 outcome.error = outcome.error or "client disconnected"
                 ended = True
-            else:
+            elif cancelled:
                 # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
                 # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
                 done = True  # a client leaving now must not cancel the last words
                 await self._cut(ex, send, outcome)
+            else:
+                # A cancellation that came up from below (something awaited was cancelled under the request):
+                # a bug, not a shutdown; the client gets an internal error, the log the trace.
+                done = True
+                log.exception("request %s: cancelled from below, not by a shutdown", ex.request_id)
+                await self._end(ex, send, outcome, INTERNAL_CANCELLED)
         finally:
             done = True
             timer.cancel()
@@ -189,6 +197,8 @@ class Pipeline:
                     job.add_done_callback(self._background.discard)
                 elif self.telemetry is not None or self.access is not None:
                     loop.call_soon(self._record, ex, outcome)
+        if not ended:
+            return  # a cut or a cancellation from below, ended above: its completion is under way already
         # The last byte has gone: the rest runs in this request's own task, which costs nothing the client
         # waits for (uvicorn serves the connection's next request in a task of its own once this response is
         # complete) and saves a task per request, which cost more than most plugins' completion work. The
@@ -205,6 +215,11 @@ class Pipeline:
         self.cut += 1
         outcome.error = "gateway shutting down"
         error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
+        await self._end(ex, send, outcome, error)
+
+    async def _end(self, ex: Exchange, send: Send, outcome: Outcome, error: errors.GatewayError) -> None:
+        """End a request that was stopped where it stood: the error as the response, or as the last event."""
+        outcome.error = outcome.error or error.message
         try:
             if ex.overhead_ms:  # set just before the head went out: the body is under way
                 if ex.stream:  # a whole answer is one message: it went out whole, or cannot be ended cleanly
@@ -265,7 +280,7 @@ class Pipeline:
                     raise
             return await self._upstream(ex)
         except errors.GatewayError as exc:
-            outcome.error = exc.message
+            outcome.error = exc.detail or exc.message  # the log's: what the client's message leaves out
             return Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
         except Exception as exc:
             # A bug in a plugin or here must still get an answer in the client's format, and a log line.
@@ -273,6 +288,15 @@ class Pipeline:
             error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
             outcome.error = error.message
             return Reply(status=500, headers=[JSON], body=error.body(), source="error")
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the client left, or the shutdown's grace is over: _serve ends the request
+            # Something this request awaited was cancelled under it (not the request): a bug below, answered
+            # like any other, never read as a shutdown.
+            log.exception("request %s: cancelled from below, not by a shutdown", ex.request_id)
+            outcome.error = INTERNAL_CANCELLED.message
+            return Reply(status=500, headers=[JSON], body=INTERNAL_CANCELLED.body(), source="error")
 
     async def _upstream(self, ex: Exchange) -> Opened | Reply:
         try:

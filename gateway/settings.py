@@ -271,8 +271,22 @@ class BackgroundSettings(Strict):
     store_wait_s: float = Field(30.0, ge=0)
 
 
+class AdminSettings(Strict):
+    """Where `/status`, `/metrics` and `/readyz`'s detail are served, and to whom (docs/operations.md, "Admin").
+
+    `port` set: on a listener of their own, and no longer on the tenants' port (which keeps `/healthz` and a
+    bare `/readyz`). `token` set: a bearer that every request for them must carry, wherever they are served.
+    Neither: on the tenants' port only when it listens on a loopback address (the quickstart).
+    """
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=1, le=65535)
+    token: str = ""
+
+
 class Settings(Strict):
     listen: Listen = Listen()
+    admin: AdminSettings = AdminSettings()
     backends: dict[str, Backend]
     pool: PoolSettings = PoolSettings()
     models: dict[str, ModelSettings]

@@ -333,8 +333,10 @@ class Background:
             outcome = recorder.failure("failed", {"code": "timeout", "message": message})
         except errors.GatewayError as exc:
             outcome = recorder.failure("failed", {"code": exc.code or "upstream_error", "message": exc.message})
-        except PoolError as exc:
-            outcome = recorder.failure("failed", {"code": "upstream_error", "message": f"upstream failed: {exc}"})
+        except PoolError as exc:  # the stream was cut: its client is told that, the log what cut it
+            log.info("background job %s: upstream failed mid-stream (%s: %s)", job.ident, type(exc).__name__, exc)
+            message = "upstream failed: the upstream connection was cut"
+            outcome = recorder.failure("failed", {"code": "upstream_error", "message": message})
         except Exception:
             log.exception("background job %s failed inside the gateway", job.ident)
             outcome = recorder.failure("failed", {"code": "internal_error", "message": "internal gateway error"})

@@ -32,7 +32,7 @@ import orjson
 
 from gateway import errors
 from gateway.plugin import Outcome, Tap
-from gateway.upstream.pool import PoolError
+from gateway.upstream.pool import PoolError, ReadTimeout
 from gateway.wire.marks import (
     CHAT_RULES,
     NULL_USAGE,
@@ -251,6 +251,7 @@ async def relay_stream(
     tally = Tally()
     # n > 1: a choice that ends early may send its usage chunk mid-stream, so every event is looked at.
     scan = usage_mode == HIDE or (usage_mode == PASS and choices > 1)
+    broke: PoolError | None = None  # the transport error that ended the stream, if one did
     try:
         while chunk:
             chunks += 1
@@ -275,14 +276,19 @@ async def relay_stream(
             chunk = await response.next_chunk()
             last_at = time.perf_counter()
     except PoolError as exc:
-        outcome.error = str(exc)
+        outcome.error = f"{type(exc).__name__}: {exc}"  # for the log; the client is told less (below)
+        broke = exc
     # Usage comes in the last event before [DONE]; upstreams often send the two as separate chunks.
     tail = prev2[-2048:] + prev
     # A Responses stream's terminal event holds the whole response and may span both chunks: look at all of it.
     if outcome.error is None and not (rules.end.search(tail) or rules.end.search(prev2)):
         outcome.error = f"upstream stream ended without {rules.end_name}"
     if outcome.error is not None:
-        event = errors.UpstreamError(f"upstream stream failed: {outcome.error}").sse_event()
+        if broke is None:  # ended early without a transport error: the gateway's own finding, said as it is
+            said = outcome.error
+        else:
+            said = "the upstream went silent" if isinstance(broke, ReadTimeout) else "the upstream connection was cut"
+        event = errors.UpstreamError(f"upstream stream failed: {said}").sse_event()
         for tap in taps:
             tap(b"")
         await send({"type": "http.response.body", "body": event, "more_body": False})

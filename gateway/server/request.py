@@ -7,7 +7,9 @@ and `stream`. Everything else is the backend's to judge.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import zlib
 from typing import Any
 
@@ -37,6 +39,34 @@ INSTEAD: dict[str, str] = {"responses": "prompt"}
 # (a tool's JSON schema is the deepest part); orjson reads 1,024 levels but writes only 254, and the body is
 # written again whenever it changes (a renamed model, the cache key), so depth is checked before any stage.
 MAX_DEPTH = 128
+
+
+# Top-level fields whose value the gateway decides on (routing, authorisation of the model, what a limit charges,
+# the cache's determinism, ownership of stored objects, streaming). JSON leaves a repeated key to the reader
+# (RFC 8259: "the names within an object SHOULD be unique"): orjson keeps the last, another parser may keep the
+# first, so a body that repeats one of these could be judged on one value and served on the other. One pass of
+# this pattern finds every candidate key; only a body in which one of them is found twice (a repeat, or the same
+# name nested deeper, e.g. in a tool's schema) is parsed again, keeping pairs.
+DECIDED = (
+    "model",
+    "stream",
+    "stream_options",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "temperature",
+    "seed",
+    "background",
+    "previous_response_id",
+    "conversation",
+)
+# DECIDED as one factored alternation (a shared prefix is tried once): about half the time of the plain list
+# on a 2 KB body (1.9 µs against 3.7 here).
+DECIDED_KEYS = re.compile(
+    rb'"(model|stream(?:_options)?|n|max_(?:completion_|output_)?tokens|temperature|seed|background'
+    rb'|previous_response_id|conversation)"\s*:'
+)
 
 
 class ClientGone(Exception):
@@ -118,6 +148,28 @@ def too_deep(data: dict[str, Any], limit: int) -> bool:
     return False
 
 
+def repeated(body: bytes, data: dict[str, Any]) -> str | None:
+    """The first field of DECIDED that the body's top-level object has more than once, else None."""
+    found = DECIDED_KEYS.findall(body)
+    if len(found) < 2 or len(set(found)) == len(found):
+        return None  # no name matched twice anywhere in the body: none can be repeated at the top level
+    top: list[list[tuple[str, Any]]] = []
+
+    def keep(pairs: list[tuple[str, Any]]) -> None:
+        top[:] = [pairs]  # called innermost first: the last call is the top-level object
+
+    try:
+        json.loads(body, object_pairs_hook=keep)
+    except ValueError:  # orjson read it: a difference between the two parsers is not the client's repeat
+        return None
+    seen: set[str] = set()
+    for key, _ in top[0] if top else ():
+        if key in seen and key in data and key in DECIDED:
+            return key
+        seen.add(key)
+    return None
+
+
 def parse(
     endpoint: str,
     headers: list[tuple[bytes, bytes]],
@@ -135,6 +187,9 @@ def parse(
     # A body with fewer brackets than the limit cannot nest deeper: one C-speed count settles most requests.
     if body.count(b"{") + body.count(b"[") > MAX_DEPTH and too_deep(data, MAX_DEPTH):
         raise errors.BadRequestError(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels")
+    twice = repeated(body, data)
+    if twice is not None:
+        raise errors.BadRequestError(f"the field '{twice}' appears more than once in the request body", param=twice)
     if path_model is not None and data.get("model") != path_model:
         # Azure-style paths name the deployment; the body's model (often absent) follows it.
         data["model"] = path_model

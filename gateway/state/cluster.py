@@ -3,7 +3,9 @@
 The slot map comes from `CLUSTER SLOTS`, asked of a known master or else a seed from the URL; each
 master gets one `Node` (a few pipelined connections, as for a single server). A `MOVED` reply means
 the map is stale: the slot is pointed at the new owner at once, the whole map is reloaded in the
-background and the command is sent again, once, to the new owner. An `ASK` reply (a slot being
+background and the command is sent again, once, to the new owner; a node that a reload drops while a call
+waits on it fails that call (a `ConnectionError`, never a cancellation of the caller), which is sent once to
+the owner the reload found. An `ASK` reply (a slot being
 migrated) sends `ASKING` and the command to the named node, without touching the map. A node that
 cannot be reached also reloads the map in the background, so that a replica promoted in its place is
 found without restarting anything. Keys that must meet in one script or one slot share a `{hash tag}`
@@ -24,6 +26,7 @@ SCRIPTED = frozenset({"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "FCALL", "FCAL
 KEYLESS = frozenset({"PING", "ECHO", "INFO", "TIME", "PUBLISH", "CLUSTER", "CLIENT", "CONFIG", "COMMAND", "DBSIZE"})
 BROADCAST = frozenset({"SCRIPT", "FLUSHALL", "FLUSHDB"})  # every master must see these
 REFRESH_INTERVAL_S = 0.1  # at most this often, however many calls notice a stale map at once
+REROUTES = 2  # a call whose node a reload dropped is sent again this many times at most
 
 
 def slot(key: Arg) -> int:
@@ -95,7 +98,7 @@ class Cluster:
             raise ConnectionError(f"hash slot {slot(key)} is not served by any known node")
         return node
 
-    async def send(self, node: Node, command: Sequence[Arg], *, redirected: bool = False) -> Any:
+    async def send(self, node: Node, command: Sequence[Arg], *, redirected: bool = False, rerouted: int = 0) -> Any:
         try:
             return await node.call(command)
         except ReplyError as exc:
@@ -105,6 +108,14 @@ class Cluster:
             return await self.follow(exc, target, command)
         except OSError:  # refused, reset, timed out: the node may be gone and the map stale
             self.refresh_soon()
+            if node.closed and rerouted < REROUTES:
+                # A slot-map reload dropped the node while this call waited on it (a MOVED target that a reload
+                # answered by a node not yet aware of the failover, or an old master that the next reload
+                # dropped): sent again to the owner the map now names, which may redirect it once more.
+                key = key_of(command)
+                owner = self.slots[slot(key)] if key is not None else None
+                if owner is not None and owner is not node and not owner.closed:
+                    return await self.send(owner, command, rerouted=rerouted + 1)
             raise
 
     async def follow(self, exc: ReplyError, target: Node, command: Sequence[Arg]) -> Any:
@@ -165,7 +176,13 @@ class Cluster:
         if self.refreshing is None or self.refreshing.done():
             self.refresh_soon(force=True)
         assert self.refreshing is not None
-        await asyncio.shield(self.refreshing)
+        try:
+            await asyncio.shield(self.refreshing)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise ConnectionError("the Redis Cluster client was closed while loading its slot map") from None
         if not self.masters:
             raise ConnectionError("no Redis Cluster node answered CLUSTER SLOTS")
 

@@ -356,6 +356,13 @@ class Node:
         if not self.live:
             try:
                 await asyncio.shield(self.fill())
+            except asyncio.CancelledError:
+                if _cancelled():
+                    raise  # this call was cancelled: its caller's business
+                # The connect attempt was cancelled under this call, not the call itself: the node was closed
+                # (a slot-map reload dropped it). A failed call, never a cancellation that would read as the
+                # caller's own (a request cut as if the gateway were shutting down).
+                raise ConnectionError(f"redis node {self.address} closed while connecting") from None
             except Exception:
                 if not self.live:  # else the first connection is up and only a later one failed
                     raise
@@ -426,6 +433,12 @@ class Node:
         for connection in list(self.live):
             connection.abort()
         self.live.clear()
+
+
+def _cancelled() -> bool:
+    """Whether the running task itself is being cancelled (rather than something it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class Redis:

@@ -17,6 +17,7 @@ client library's objects. Underneath is the lean pipelined client of `resp.py` (
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -81,6 +82,10 @@ class Store:
     def available(self) -> bool:
         return time.monotonic() >= self.open_until
 
+    def retry_in_s(self) -> float:
+        """Seconds until the breaker lets a call through again (0 or less: now)."""
+        return self.open_until - time.monotonic()
+
     async def execute(self, *command: Arg) -> Any:
         """One command, one round trip: `await store.execute("GET", key)`."""
         # _check and _guarded written out: the request path's Redis calls come this way, and each call or
@@ -91,6 +96,8 @@ class Store:
             result = await self.client.call(command)
         except Exception as exc:
             raise self._trip(exc) from exc
+        except asyncio.CancelledError as exc:
+            raise self._stray(exc) from None
         if self.down:
             self._recovered()
         return result
@@ -130,6 +137,8 @@ class Store:
             result = await call
         except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
+        except asyncio.CancelledError as exc:
+            raise self._stray(exc) from None
         self._recovered()
         return result
 
@@ -144,6 +153,16 @@ class Store:
             self.down = True
             log.warning("redis unavailable (%s): falling back to in-process state", type(exc).__name__)
         return StoreUnavailable(str(exc) or type(exc).__name__)
+
+    def _stray(self, exc: asyncio.CancelledError) -> BaseException:
+        """A cancellation from below that nobody asked of the caller (something the client awaited was
+        cancelled): a failed call like any other, so that the caller falls back by its rule. The caller's own
+        cancellation (a client gone, a shutdown) goes on as it came."""
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            return exc
+        log.warning("redis call cancelled from below, taken as a failure", exc_info=exc)
+        return self._trip(ConnectionError("redis call cancelled"))
 
     def _recovered(self) -> None:
         if self.down:

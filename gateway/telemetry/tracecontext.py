@@ -1,7 +1,10 @@
 """W3C trace context at the gateway's edge: the incoming `traceparent`, and whether to trace at all.
 
 Kept apart from `tracing.py` so that a gateway with tracing off never imports the OpenTelemetry SDK: it only
-passes a client's `traceparent` upstream unchanged, as a transparent hop should.
+passes a client's trace context upstream. What goes upstream is always the four fields of version 00, rebuilt
+from the parsed ids and flags, never the client's bytes: a later version's extra fields (of any length) are
+dropped, as W3C asks of a hop that speaks version 00, and an invalid header is not passed on at all (the
+upstream, or the gateway's own tracing, starts a new trace).
 """
 
 from __future__ import annotations
@@ -51,20 +54,32 @@ def describe(settings: TelemetrySettings) -> str:
 
 
 def incoming(headers: list[tuple[bytes, bytes]]) -> re.Match[bytes] | None:
-    """The client's `traceparent` if it is one that may be continued: groups 2, 3, 4 are trace, parent, flags."""
+    """The client's `traceparent` if it is one that may be continued: groups 2, 3, 4 are trace, parent, flags.
+
+    Two `traceparent` headers are one invalid header (W3C: they cannot be combined), so none is continued.
+    """
+    found: re.Match[bytes] | None = None
+    seen = False
     for name, value in headers:
         if name == b"traceparent":
+            if seen:
+                return None
+            seen = True
             found = TRACEPARENT.fullmatch(value.strip())
             if found is None or found[1] == b"ff" or (found[1] == b"00" and found[5]):
                 return None
             if found[2] == b"0" * 32 or found[3] == b"0" * 16:
                 return None
-            return found
-    return None
+    return found
+
+
+def rebuilt(found: re.Match[bytes]) -> bytes:
+    """The four fields of version 00 from a parsed `traceparent`, whatever version and suffix it came with."""
+    return b"00-%b-%b-%b" % (found[2], found[3], found[4])
 
 
 def forward(ex: Exchange) -> None:
-    """Tracing off: a valid incoming `traceparent` goes upstream as it came."""
+    """Tracing off: a valid incoming `traceparent` goes upstream as version 00 with the same ids and flags."""
     found = incoming(ex.headers)
     if found is not None:
-        ex.traceparent = found[0]
+        ex.traceparent = rebuilt(found)

@@ -216,7 +216,13 @@ class Upstreams:
                 failure = exc
                 if attempt.hedge is not None and ex.hedged:
                     plan.skip()  # the hedge was tried too
-                log.info("model %s on %s failed (%s: %s)", target.model, target.backend, exc.status, exc.message)
+                log.info(
+                    "model %s on %s failed (%s: %s)",
+                    target.model,
+                    target.backend,
+                    exc.status,
+                    exc.detail or exc.message,
+                )
                 continue
             finally:
                 ex.upstream_ms += (time.perf_counter() - started) * 1000.0
@@ -260,14 +266,14 @@ class Upstreams:
                 target.provider.health.exhausted()
             elif isinstance(exc, DescriptorsExhausted):
                 self.descriptors_exhausted()
-            raise from_pool_error(exc, target.backend) from None
+            raise from_pool_error(exc, target.backend, target.model) from None
 
     async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:
         response = await target.provider.send(ex, target)
         try:
             if response.status >= 400:
                 body = await _read_bounded(response)
-                error = errors.from_upstream(response.status, body, target.backend)
+                error = errors.from_upstream(response.status, body, target.backend, target.model)
                 if error.code == "upstream_auth_failed":
                     log.warning("backend %s refused the gateway's credential (%s)", target.backend, response.status)
                 error.headers = [(k, v) for k, v in response.headers if k in PASSED_ON_ERROR]
@@ -383,19 +389,33 @@ async def _read_bounded(response: UpstreamResponse) -> bytes:
     return b"".join(parts)
 
 
-def from_pool_error(exc: pool.PoolError, backend: str) -> errors.GatewayError:
+def from_pool_error(exc: pool.PoolError, backend: str, model: str | None = None) -> errors.GatewayError:
+    """A transport failure as the client's status and a generic message; its detail (addresses, errno) is
+    kept in `detail`, for the log only."""
+    what = f"model {model!r}" if model is not None else f"backend {backend!r}"
+    error: errors.GatewayError
     if isinstance(exc, pool.ConnectTimeout):
-        return errors.UpstreamTimeoutError(f"backend {backend!r}: {exc}", code="connect_timeout")
-    if isinstance(exc, pool.ConnectError):
-        return errors.UpstreamError(f"backend {backend!r}: {exc}", code="connect_error")
-    if isinstance(exc, pool.DescriptorsExhausted):
+        error = errors.UpstreamTimeoutError(
+            f"{what}: the upstream did not accept a connection in time", code="connect_timeout"
+        )
+    elif isinstance(exc, pool.ConnectError):
+        error = errors.UpstreamError(f"{what}: the upstream could not be reached", code="connect_error")
+    elif isinstance(exc, pool.DescriptorsExhausted):
         # The gateway's own limit, not the backend's failure: each open stream holds two descriptors.
-        return errors.ServiceUnavailableError(f"gateway at its file-descriptor limit: {exc}", code="gateway_overloaded")
-    if isinstance(exc, pool.PoolTimeout):
-        return errors.ServiceUnavailableError(
-            f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}",
+        error = errors.ServiceUnavailableError(
+            "the gateway is at its limit of open connections; please try again shortly", code="gateway_overloaded"
+        )
+    elif isinstance(exc, pool.PoolTimeout):
+        error = errors.ServiceUnavailableError(
+            f"{what}: every connection to the upstream is busy; please try again shortly",
             code="upstream_pool_exhausted",
         )
-    if isinstance(exc, pool.ReadTimeout):
-        return errors.UpstreamTimeoutError(f"backend {backend!r}: {exc}")
-    return errors.UpstreamError(f"backend {backend!r}: {exc}")
+    elif isinstance(exc, pool.ReadTimeout):
+        error = errors.UpstreamTimeoutError(f"{what}: the upstream did not answer in time")
+    else:
+        error = errors.UpstreamError(f"{what}: the connection to the upstream failed")
+    if isinstance(exc, pool.PoolTimeout):
+        error.detail = f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}"
+    else:
+        error.detail = f"backend {backend!r}: {type(exc).__name__}: {exc}"
+    return error

@@ -46,6 +46,7 @@ from plugins.rate_limit.buckets import (
     ratelimit_headers,
     rejection,
 )
+from plugins.rate_limit.concurrency import Concurrency
 from plugins.rate_limit.lease import Lease
 from plugins.rate_limit.sync import SCRIPT, Leases, Route
 
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from gateway.settings import Settings
 
 __all__ = [
+    "INFLIGHT",
     "PERIOD_MS",
     "SCRIPT",
     "Lease",
@@ -69,6 +71,7 @@ __all__ = [
 ]
 
 NAME = "rate_limit"
+INFLIGHT = "rate_limit.inflight"  # ex.state: the tenant whose request this process counts as in flight
 
 
 class Limits(Strict):
@@ -83,6 +86,10 @@ class TenantLimits(Limits):
 class RateLimitSection(Strict):
     """`rate_limit:`"""
 
+    # Requests in flight per tenant and process (streams until their end); a tenant's own `max_concurrent`
+    # wins. Unset: half of `pool.max_connections`, so that no tenant alone can hold a backend's connections.
+    max_concurrent: int | None = Field(None, ge=1)
+
     # Tokens reserved at admission for a request that sets no max_tokens; corrected from usage afterwards.
     default_max_tokens: int = Field(1024, ge=1)
     # With Redis, each process admits from leases of the shared buckets (see docs/rate-limits.md): a lease holds
@@ -94,9 +101,10 @@ class RateLimitSection(Strict):
 
 
 class RateLimitTenant(Strict):
-    """Its key under `tenants.NAME`."""
+    """Its keys under `tenants.NAME`."""
 
     rate_limit: TenantLimits = TenantLimits()
+    max_concurrent: int | None = Field(None, ge=1)  # requests in flight, per process
 
 
 Config = Configured[RateLimitSection, Empty, RateLimitTenant]
@@ -211,6 +219,9 @@ class RateLimit:
 
     def __init__(self, config: Config, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self.plans = {**build_plans(config, settings.models), **read_plans(config)}
+        default = config.section.max_concurrent or max(1, settings.pool.max_connections // 2)
+        caps = {name: t.max_concurrent for name, t in config.tenants.items() if t.max_concurrent is not None}
+        self.concurrency = Concurrency(caps, default)
         self.default_max_tokens = config.section.default_max_tokens
         self.lease_settings = config.section
         self.clock = clock
@@ -254,7 +265,10 @@ class RateLimit:
     async def on_request(self, ex: Exchange) -> None:
         # Reading or cancelling a stored object generates nothing, but costs a request like any other (its
         # model is STORED until the owner is read, after this plugin): a tenant cannot read without limit.
-        key = (ex.tenant, ex.model)
+        tenant = ex.tenant
+        self.concurrency.enter(tenant)  # first: a request refused here is charged nothing
+        ex.state[INFLIGHT] = tenant
+        key = (tenant, ex.model)
         plan = self.plans.get(key)
         if plan is None:
             return
@@ -276,6 +290,7 @@ class RateLimit:
         if not verdict[0]:
             if self.limited is not None:
                 self.limited.labels(self.tenant_label(ex.tenant), ex.model).inc()
+            self._leave(ex)  # refused: it is not in flight
             raise rejection(plan, verdict, reserved)
         ex.state[NAME] = Reservation(plan, verdict, reserved, completion, route)
 
@@ -284,7 +299,13 @@ class RateLimit:
         if reservation is not None:
             head.headers += ratelimit_headers(reservation.plan, reservation.verdict)
 
+    def _leave(self, ex: Exchange) -> None:
+        tenant = ex.state.pop(INFLIGHT, None)
+        if tenant is not None:
+            self.concurrency.leave(tenant)
+
     async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+        self._leave(ex)  # after the last byte: a stream counts until its end
         reservation: Reservation | None = ex.state.get(NAME)
         if reservation is None or not reservation.plan.tokens:
             return

@@ -36,6 +36,7 @@ class Lease:
     expires: float = 0.0  # free units lapse then
     level: float = 0.0  # the shared bucket's level (this lease's free units excluded) at the last sync
     level_at: float = -math.inf  # when; never synced: the bucket is taken as full, as a missing key is
+    held_until: float = -math.inf  # a failed sync keeps `level` the basis of decisions until then (`failed`)
     low: int = 0  # renew in the background once free falls below this; 0: never (too slow a rate to hold)
     used: int = 0  # units admitted since the last sync was sent, for the rate
     hits: int = 0  # requests admitted since then
@@ -65,8 +66,9 @@ class Lease:
         return level + self.free - self.settle
 
     def fresh(self, now: float) -> bool:
-        """Whether `known` is recent enough to refuse on without asking Redis."""
-        return now - self.level_at < self.ttl_ms
+        """Whether `known` is recent enough to decide on without asking Redis: for `ttl_ms` after the last
+        sync, and, when a sync failed within that time, until the store is tried again (`held_until`)."""
+        return now - self.level_at < self.ttl_ms or now < self.held_until
 
     def remaining(self, now: float) -> int:
         return self.report(now)[0]
@@ -125,11 +127,16 @@ class Lease:
         # a slow process takes what each request needs when it comes, and holds nothing in between.
         self.low = max(1, self.target() // 2) if self.hit_rate * self.ttl_ms >= 2 else 0
 
-    def reset(self) -> None:
-        """Redis failed: whatever this lease held or owed is forgotten (the units lapse in Redis)."""
-        self.free = self.settle = self.need = self.low = 0
-        self.level = float(self.limit)
-        self.level_at = -math.inf
+    def failed(self, now: float, retry_ms: float) -> None:
+        """A sync failed (Redis down or stalled). What this lease knows stays: the shared bucket's level at the
+        last sync (with the refill since), the units granted and not yet admitted (paid for in Redis) and what
+        is owed (charged by the next sync that succeeds). Knowledge that was fresh at the failure stays the
+        basis of decisions until the store is tried again, `retry_ms` from now: nothing newer can be learnt
+        before then, and dropping it would admit on in-process buckets that were never charged while Redis
+        was up. Knowledge already stale is not extended: then the in-process buckets decide."""
+        self.need = self.low = 0
+        if now - self.level_at < self.ttl_ms:
+            self.held_until = max(self.held_until, now + retry_ms)
 
     def _observe(self, now: float) -> None:
         elapsed = max(now - self.sent_at, 1.0)

@@ -142,7 +142,7 @@ class Leases:
             if any(lease.fresh(now) and lease.known(now) < cost for lease, cost in lacking):
                 return self._refused(route.leases, costs, now)
             if not self.store.available:
-                raise StoreUnavailable("redis circuit open")
+                return self._unavailable(route, costs, now, "redis circuit open")
             for lease, cost in lacking:
                 lease.need = max(lease.need, cost - lease.free)
             if group.inflight is None:
@@ -155,9 +155,9 @@ class Leases:
                 ok = await asyncio.wait_for(asyncio.shield(sync), left / 1000.0)
             except TimeoutError:
                 return self._on_credit(route, costs, self.now())
-            if not ok:
-                raise StoreUnavailable("redis sync failed")
             now = self.now()
+            if not ok:
+                return self._unavailable(route, costs, now, "redis sync failed")
 
     def correct(self, route: Route, delta: int, indices: Sequence[int]) -> None:
         """Fold a token correction into the next sync of the buckets at `indices`."""
@@ -206,6 +206,13 @@ class Leases:
             verdict += (remaining, full, 0 if lease.free >= cost else lease.wait(now, cost))
         return verdict
 
+    def _unavailable(self, route: Route, costs: Sequence[int], now: float, why: str) -> list[int]:
+        """Redis cannot be asked: decide on credit from what is known while it is fresh, else say so (raise
+        StoreUnavailable), so that the caller decides with its in-process buckets."""
+        if all(lease.fresh(now) for lease in route.leases):
+            return self._on_credit(route, costs, now)
+        raise StoreUnavailable(why)
+
     def _on_credit(self, route: Route, costs: Sequence[int], now: float) -> list[int]:
         """A sync is late: decide from what this process knows, and charge what it admits at the next sync."""
         if any(lease.free < cost and lease.known(now) < cost for lease, cost in zip(route.leases, costs, strict=True)):
@@ -243,8 +250,10 @@ class Leases:
         except Exception as exc:
             if not isinstance(exc, StoreUnavailable):  # the store logs its own outages; anything else is a bug
                 log.exception("rate_limit: sync failed; deciding in process until the next one")
+            now = self.now()
+            retry_ms = max(0.0, self.store.retry_in_s()) * 1000.0
             for lease in group.leases:
-                lease.reset()
+                lease.failed(now, retry_ms)
             return False
         finally:
             group.inflight = None

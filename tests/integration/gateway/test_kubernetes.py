@@ -209,8 +209,13 @@ def test_the_objects_find_each_other(overlay: list[dict[str, Any]]) -> None:
     service = one(overlay, "Service", "sluice")
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    ((service_port),) = service["spec"]["ports"]
-    assert (service_port["name"], service_port["port"], ports[service_port["targetPort"]]) == ("http", 80, 8080)
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert service_ports.keys() == {"http", "admin"}
+    http = service_ports["http"]
+    assert (http["port"], ports[http["targetPort"]]) == (80, 8080)
+    # The admin routes are on a port of their own, the one the config's admin listener opens.
+    admin = yaml.safe_load(config_text(overlay))["admin"]
+    assert ports[service_ports["admin"]["targetPort"]] == admin["port"]
     assert container["args"][container["args"].index("--port") + 1] == "8080"
 
     hpa = one(overlay, "HorizontalPodAutoscaler", "sluice")
@@ -222,7 +227,7 @@ def test_the_objects_find_each_other(overlay: list[dict[str, Any]]) -> None:
 
     monitor = one(overlay, "ServiceMonitor", "sluice")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"admin"}
 
     for spread in deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]:
         assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()
@@ -353,6 +358,11 @@ def pod_process(
     config = str(config_dir / "gateway.yaml")
     port = free_port()
     swap = {"/etc/sluice/gateway.yaml": config, "0.0.0.0": "127.0.0.1", "8080": str(port)}
+    admin = yaml.safe_load((config_dir / "gateway.yaml").read_text())["admin"]
+    text = (config_dir / "gateway.yaml").read_text()  # the admin listener on loopback and a free port too
+    (config_dir / "gateway.yaml").write_text(
+        text.replace(f"admin: {{host: {admin['host']}, port: {admin['port']}}}", f"admin: {{port: {free_port()}}}")
+    )
     args = [swap.get(arg, arg) for arg in container["args"]]
     assert container["command"] == ["sluice"]
     command = [sys.executable, "-m", "gateway.cli", *args, "--log-level", "warning", *extra]
@@ -407,7 +417,9 @@ def serve_like_the_pod(objects: list[dict[str, Any]], tmp_path: Path, wrapper: l
                     model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
                 )
             (endpoint,) = one(objects, "ServiceMonitor", "sluice")["spec"]["endpoints"]
-            scraped = httpx.get(url + endpoint["path"], timeout=5)
+            assert httpx.get(url + endpoint["path"], timeout=5).status_code == 404  # not on the tenants' port
+            admin_port = yaml.safe_load((tmp_path / "gateway.yaml").read_text())["admin"]["port"]
+            scraped = httpx.get(f"http://127.0.0.1:{admin_port}{endpoint['path']}", timeout=5)
             assert scraped.status_code == 200
             assert "sluice_requests_total{" in scraped.text
             assert 'tenant="acme"' in scraped.text

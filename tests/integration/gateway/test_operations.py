@@ -259,7 +259,7 @@ models: {{chat: {{backend: main}}}}
             assert refused.status_code == 503
             error = refused.json()["error"]
             assert error["code"] == "upstream_pool_exhausted"
-            assert "max_connections" in error["message"]
+            assert "every connection to the upstream is busy" in error["message"]
             assert set(error) == {"message", "type", "param", "code"}
         assert metric(gw.url, "sluice_upstream_pool_exhausted_total", 'backend="main"') == 1
     assert any("connection pool exhausted" in record.getMessage() for record in caplog.records)

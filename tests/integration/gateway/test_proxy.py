@@ -210,8 +210,15 @@ def test_upstream_errors_keep_their_status_in_openai_format(
     response = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": "gpt", "messages": MESSAGES})
     assert response.status_code == 429
     assert response.headers["retry-after"] == "7"
+    # The status, type and code as the upstream said them; its words are about the gateway's account, not the
+    # client's (tests/integration/gateway/test_forwarded.py): a generic message instead.
     assert response.json() == {
-        "error": {"message": "slow down", "type": "requests", "param": None, "code": "rate_limit_exceeded"}
+        "error": {
+            "message": "model 'gpt': the upstream is rate limiting the gateway; please try again shortly",
+            "type": "requests",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
     }
     upstream.script(Status(500, b"<html>oops</html>"))
     response = httpx.post(f"{gateway.base_url}/chat/completions", json={"model": "gpt", "messages": MESSAGES})

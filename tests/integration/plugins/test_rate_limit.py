@@ -321,9 +321,11 @@ async def test_redis_paused_mid_load_fails_nothing_and_sharing_resumes(
             assert time.monotonic() - started < 20
         finally:
             redis_server.proc.send_signal(signal.SIGCONT)
-        # No failure, and still limited: by this process's own buckets (and what it knew of the shared one).
+        # No failure, and still limited: on what it knew of the shared bucket (60 left) while that was fresh,
+        # which a failed sync keeps until the breaker lets a call through again; by its own buckets after that,
+        # if the outage outlasts it (another 120 at most).
         assert set(outage[0]) == {200, 429}, outage
-        assert limit <= outage[0][200] <= limit + 60  # its own buckets are drained
+        assert limit / 2 - most_held(limit, 2) - 1 <= outage[0][200] <= limit + 60
         # What was admitted on credit while Redis hung is charged once it runs the calls that waited: start
         # from a full shared bucket again to see that decisions are shared again.
         key = "sluice:rl:{acme}:requests"

@@ -19,6 +19,7 @@ from gateway.plugin import Outcome, ResponseHead
 from gateway.settings import ConfigError
 from gateway.state.store import Store
 from plugins.rate_limit import (
+    INFLIGHT,
     PERIOD_MS,
     Lease,
     LocalBuckets,
@@ -146,7 +147,7 @@ async def test_unlimited_tenants_cost_nothing() -> None:
         ex = exchange(tenant)
         for _ in range(10):
             assert await plugin.on_request(ex) is None  # type: ignore[func-returns-value]
-        assert ex.state == {}
+        assert ex.state == {INFLIGHT: tenant}  # counted in flight, and nothing reserved
         assert await headers_of(plugin, ex) == {}
     assert ("modelonly", "chat-large") not in plugin.plans  # a limit on another model only
 
@@ -411,8 +412,15 @@ def test_what_a_lease_knows_of_the_shared_bucket() -> None:
     assert lease.wait(500.0, 10) == 600  # 6 missing, 10 a second
     assert lease.fresh(999.0)
     assert not lease.fresh(1000.0)
-    lease.reset()
-    assert (lease.free, lease.settle, lease.known(0.0)) == (0, 0, 600)
+    # A sync fails at 900 ms, with the store tried again 1 s later: what was known stays, and stays the basis
+    # of decisions until then, past its usual lifetime.
+    lease.failed(900.0, 1000.0)
+    assert (lease.free, lease.settle) == (1, 5)
+    assert lease.known(900.0) == pytest.approx(8)
+    assert lease.fresh(1899.0)
+    assert not lease.fresh(1900.0)
+    lease.failed(1900.0, 1000.0)  # stale by then: not extended again, the in-process buckets decide
+    assert not lease.fresh(1901.0)
 
 
 def test_the_over_admission_bound_holds_for_four_processes() -> None:
@@ -497,3 +505,21 @@ def test_a_leases_report_is_its_remaining_and_full_in(
     lease.free, lease.settle = free, owed
     remaining = lease.remaining(later)
     assert lease.report(later) == (remaining, lease.full_in(remaining), 0)
+
+
+async def test_requests_in_flight_are_capped_per_tenant() -> None:
+    plugin = await limiter(Clock())
+    assert plugin.concurrency.default == 512  # half of pool.max_connections (1024)
+    plugin.concurrency.default = 2
+    first, second = exchange("free"), exchange("free")
+    await plugin.on_request(first)
+    await plugin.on_request(second)
+    with pytest.raises(RateLimitError) as caught:
+        await plugin.on_request(exchange("free"))
+    assert caught.value.code == "concurrency_limit"
+    assert caught.value.status == 429
+    assert (b"retry-after", b"1") in caught.value.headers
+    await plugin.on_request(exchange("anonymous"))  # another tenant is not affected
+    await plugin.on_complete(first, Outcome(status=200, complete=True))
+    await plugin.on_request(exchange("free"))  # one ended: room for one more
+    assert plugin.concurrency.inflight == {"free": 2, "anonymous": 1}

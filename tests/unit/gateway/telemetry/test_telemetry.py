@@ -186,6 +186,10 @@ def test_tracing_off_forwards_the_clients_traceparent(upstreams: Upstreams) -> N
     ex = exchange(upstreams, headers=[(b"traceparent", b"nonsense")])
     tracecontext.forward(ex)
     assert ex.traceparent is None
+    # A later version is read for its four fields and goes on as version 00: never the client's bytes.
+    ex = exchange(upstreams, headers=[(b"traceparent", f"01-{TRACE}-{PARENT}-01-{'x' * 8192}".encode())])
+    tracecontext.forward(ex)
+    assert ex.traceparent == value
 
 
 def test_begin_starts_a_trace(traced: tuple[Tracing, InMemorySpanExporter, Fates], upstreams: Upstreams) -> None:
@@ -711,7 +715,8 @@ def test_the_compose_gateway_config_points_at_the_stack(monkeypatch: pytest.Monk
     scrape = load_yaml("config/prometheus.yml")["scrape_configs"]
     (job,) = [job for job in scrape if job["job_name"] == "sluice"]
     assert job["metrics_path"] == "/metrics"
-    assert job["static_configs"][0]["targets"] == [f"gateway:{settings.listen.port}"]
+    assert job["static_configs"][0]["targets"] == [f"gateway:{settings.admin.port}"]  # the admin listener
+    assert f"{settings.admin.port}:{settings.admin.port}" not in compose()["gateway"]["ports"]  # not on the host
 
 
 def test_the_dockerfile_serves_the_mounted_config() -> None:

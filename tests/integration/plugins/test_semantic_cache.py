@@ -410,7 +410,8 @@ def test_a_verifier_keeps_a_hit_on_yes_and_misses_on_no_or_past_its_deadline(
         assert asked.headers["authorization"] == "Bearer judge-key"  # through the gateway's own backend config
         assert asked.json["model"] == "small-model"
         prompt = asked.json["messages"][0]["content"]
-        assert paraphrase in prompt and original in prompt
+        assert paraphrase in prompt
+        assert original in prompt
 
         # "no": the same candidate is a miss, counted as the verifier's, and the request goes upstream.
         judge.script(Ok(text="No"))

@@ -269,10 +269,13 @@ def test_a_verifier_answer_is_a_clear_yes_or_not_agreement() -> None:
     def answer(content: object) -> dict[str, object]:
         return {"choices": [{"message": {"role": "assistant", "content": content}}]}
 
-    assert agrees(answer("Yes")) and agrees(answer(" yes."))
-    assert not any(agrees(a) for a in (answer("No"), answer("maybe yes"), answer(None), answer(3), {}, [], None))
+    assert agrees(answer("Yes"))
+    assert agrees(answer(" yes."))
+    refused: list[object] = [answer("No"), answer("maybe yes"), answer(None), answer(3), {}, [], None]
+    assert not any(agrees(a) for a in refused)
     asked = question("judge", "Convert 5 km to miles", "Convert 5 miles to km")
-    assert asked["model"] == "judge" and asked["temperature"] == 0
+    assert asked["model"] == "judge"
+    assert asked["temperature"] == 0
     assert "Request A: Convert 5 km to miles\nRequest B: Convert 5 miles to km" in asked["messages"][0]["content"]
 
 

@@ -9,7 +9,10 @@ the temperature bound, no tools unless allowed, a user's text last) it:
 3. takes the most similar entry at or above `threshold` that the guards (plugins/semantic_cache/guards.py) do
    not veto, and replays its answer: JSON, or SSE for a streaming client, marked `x-sluice-cache: semantic`,
    with `x-sluice-semantic-similarity`, the span attributes `sluice.semantic_cache.*` and the stage
-   `semantic_cache` in server-timing.
+   `semantic_cache` in server-timing,
+4. or, when the model has a `verifier`, first asks that chat model (plugins/semantic_cache/verifier.py)
+   whether the two requests need the same answer: only a clear "yes" within its `deadline_ms` keeps the hit;
+   a "no", an error or the deadline is a miss counted as `verifier`.
 
 **Latency first.** Steps 1 and 2 run as one task that the request waits for at most `lookup_deadline_ms`;
 past it the request goes upstream at once and the miss is counted as `timeout`. The task is not cancelled:
@@ -20,8 +23,8 @@ them a request skips the lookup (a dead embedder then costs nothing at all).
 **What is stored:** only complete 200 answers from an upstream, assembled from the stream when the client
 streamed (the exact cache's assembly, gateway/wire/completion.py), never errors, cut streams or replays.
 
-**Reports:** `x-sluice-semantic` says what the lookup found (hit, miss, near, guard, timeout, error, bypass,
-skip); the request-series label `semantic_cache` is hit, miss or bypass; the counter
+**Reports:** `x-sluice-semantic` says what the lookup found (hit, miss, near, guard, verifier, timeout, error,
+bypass, skip); the request-series label `semantic_cache` is hit, miss or bypass; the counter
 `sluice_semantic_cache_results_total{tenant, model, result}` has every result, and
 `sluice_semantic_cache_vetoes_total{tenant, model, kind}` what the guards vetoed. A hit's entry, age and
 similarity are span attributes and access-log fields.
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     from gateway.settings import Settings
     from plugins.semantic_cache.embedder import Embedder
     from plugins.semantic_cache.store import Candidate, Store, Vector
+    from plugins.semantic_cache.verifier import Verifier
 
 log = logging.getLogger("sluice.semantic_cache")
 
@@ -97,6 +101,7 @@ class SemanticCache:
         # plugin (whose schema the config loader still reads) imports neither.
         self.store: Store = make(base.store)
         self.embedders: dict[str, Embedder] = {}
+        self.verifiers: dict[str, Verifier] = {}  # by the cached model whose candidate hits they confirm
         self.pending = 0  # lookups still running past their request's deadline
         self.results: Any = None
         self.vetoes: Any = None
@@ -114,6 +119,9 @@ class SemanticCache:
             name = spec.semantic_cache.embedding_model
             if name is not None and name not in settings.models:
                 yield f"models.{model}.semantic_cache.embedding_model", f"no model named {name!r} in models"
+            verifier = spec.semantic_cache.verifier
+            if verifier is not None and verifier.model not in settings.models:
+                yield f"models.{model}.semantic_cache.verifier.model", f"no model named {verifier.model!r} in models"
         enabled = [
             spec.semantic_cache
             for spec in config.models.values()
@@ -136,15 +144,19 @@ class SemanticCache:
 
     async def startup(self, runtime: Runtime) -> None:
         from plugins.semantic_cache.embedder import Embedder
+        from plugins.semantic_cache.verifier import Verifier
 
-        for policy in self.policies.values():
+        for model, policy in self.policies.items():
             name = policy.rules.embedding_model
             if name not in self.embedders:
                 self.embedders[name] = Embedder(runtime.upstreams, name)
+            if policy.verifier is not None:
+                spec = policy.verifier
+                self.verifiers[model] = Verifier(runtime.upstreams, spec.model, spec.deadline_ms / 1000.0)
         self.tenant_label = runtime.meter.tenant
         self.results = runtime.meter.counter(
             "sluice_semantic_cache_results_total",
-            "Semantic cache lookups by result (hit, miss, near, guard, timeout, error, bypass, skip).",
+            "Semantic cache lookups by result (hit, miss, near, guard, verifier, timeout, error, bypass, skip).",
             ("tenant", "model", "result"),
         )
         self.vetoes = runtime.meter.counter(
@@ -206,7 +218,15 @@ class SemanticCache:
             log.debug("semantic cache: embedding failed for %s: %s", ex.request_id, exc)
             self._result(ex, Served("error"))
             return None
-        return self._choose(ex, pending, candidates)
+        candidate = self._choose(ex, pending, candidates)
+        if candidate is None:
+            return None
+        verifier = self.verifiers.get(ex.model)
+        # Past the lookup's deadline on purpose: the verifier has its own, which its config says it may spend.
+        if verifier is not None and not await verifier.same(lookup.text, candidate.entry.text, ex):
+            self._result(ex, Served("verifier", candidate.similarity))
+            return None
+        return self._replay(ex, candidate)
 
     def _start(self, embedder: Embedder, text: str, ex: Exchange) -> asyncio.Task[Vector]:
         task = asyncio.get_running_loop().create_task(self._embed(embedder, text, ex))
@@ -226,7 +246,8 @@ class SemanticCache:
 
         task.add_done_callback(ended)
 
-    def _choose(self, ex: Exchange, pending: Pending, candidates: list[Candidate]) -> Reply | None:
+    def _choose(self, ex: Exchange, pending: Pending, candidates: list[Candidate]) -> Candidate | None:
+        """The most similar candidate over the threshold that no guard vetoes; a miss is counted here."""
         policy = pending.policy
         best = candidates[0].similarity if candidates else None
         if best is None or best < policy.threshold:
@@ -248,7 +269,7 @@ class SemanticCache:
                 if kind is not None:
                     vetoed.append(kind)
                     continue
-            return self._replay(ex, candidate)
+            return candidate
         for kind in vetoed:
             self._count("vetoes", ex, kind)
         self._result(ex, Served("guard", best))

@@ -37,6 +37,13 @@ class SemanticSection(Strict):
     store: StoreSection = StoreSection()
 
 
+class VerifierSpec(Strict):
+    """`models.NAME.semantic_cache.verifier`: a chat model asked to confirm each candidate hit."""
+
+    model: str  # a model of this config on a backend with /v1/chat/completions
+    deadline_ms: float = Field(300.0, gt=0)  # past it the candidate is a miss (counted `verifier`)
+
+
 class ModelSemantic(Strict):
     """Per-model overrides."""
 
@@ -49,6 +56,7 @@ class ModelSemantic(Strict):
     max_temperature: float | None = Field(None, ge=0)
     allow_tools: bool | None = None
     guards: bool | None = None
+    verifier: VerifierSpec | None = None  # off unless set
 
 
 class SemanticModel(Strict):
@@ -68,6 +76,7 @@ class Policy:
     ttl_s: float
     deadline_s: float
     guards: bool
+    verifier: VerifierSpec | None
 
 
 def policies(config: Config) -> dict[str, Policy]:
@@ -94,5 +103,6 @@ def policies(config: Config) -> dict[str, Policy]:
             ttl_s=own.ttl_s or base.ttl_s,
             deadline_s=(own.lookup_deadline_ms or base.lookup_deadline_ms) / 1000.0,
             guards=base.guards if own.guards is None else own.guards,
+            verifier=own.verifier,
         )
     return found

@@ -39,6 +39,7 @@ import httpx
 import orjson
 
 from plugins.semantic_cache.guards import compare, profile
+from plugins.semantic_cache.verifier import agrees, question
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -520,13 +521,6 @@ def config_embedder(settings: Settings, model: str) -> tuple[Embed, Callable[[],
 # -- the optional verifier
 
 
-VERIFIER_PROMPT = (
-    "Two requests to an assistant follow. Answer only 'yes' if one answer would serve both exactly, or 'no' if "
-    "they differ in anything that changes the answer (numbers, names, dates, units, languages, direction, "
-    "negation, scope, quoted text or code).\nRequest A: {a}\nRequest B: {b}\nSame answer?"
-)
-
-
 async def verify(
     client: httpx.AsyncClient, url: str, model: str, a: str, b: str, deadline_s: float = 0.5, api_key: str = ""
 ) -> bool:
@@ -537,22 +531,17 @@ async def verify(
     endpoint = url.rstrip("/")
     if not endpoint.endswith("/chat/completions"):
         endpoint += "/chat/completions"
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": VERIFIER_PROMPT.format(a=a, b=b)}],
-        "max_tokens": 2,
-        "temperature": 0,
-    }
+    body = question(model, a, b)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with asyncio.timeout(deadline_s):
             response = await client.post(endpoint, json=body, headers=headers)
         if response.status_code != 200:
             return False
-        text = response.json()["choices"][0]["message"]["content"] or ""
-    except (TimeoutError, httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        answer = response.json()
+    except (TimeoutError, httpx.HTTPError, ValueError):
         return False
-    return text.strip().lower().startswith("yes")
+    return agrees(answer)
 
 
 # -- the command

@@ -23,7 +23,7 @@ from tests.integration.gateway.test_telemetry import OtlpReceiver
 from tests.support.embedder import MODEL_NAME, EmbeddingServer, MiniLM
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.postgres import PostgresServer
-from tests.support.upstream import Ok, ScriptedUpstream
+from tests.support.upstream import Ok, ScriptedUpstream, Stall
 from tests.support.wait import wait_until
 
 ACME, ACME_HASH = new_key()
@@ -40,15 +40,21 @@ def config(
     embed_timeout_ms: float = 10000,
     plugins: str = "auth, cache, semantic_cache",
     extra: str = "",
+    verifier: str = "",
+    verifier_deadline_ms: float = 300,
 ) -> str:
+    """The gateway's config; with `verifier` (a base URL), `chat`'s candidate hits are confirmed by `judge` there."""
+    judge = f'\n  ver: {{type: openai, base_url: "{verifier}/v1", api_key: judge-key}}' if verifier else ""
+    own = f", semantic_cache: {{verifier: {{model: judge, deadline_ms: {verifier_deadline_ms}}}}}" if verifier else ""
+    judged = "\n  judge: {backend: ver, upstream_model: small-model}" if verifier else ""
     return f"""
 backends:
   up: {{type: openai, base_url: "{upstream}/v1", api_key: backend-key}}
-  emb: {{type: openai, base_url: "{embedder}", api_key: embed-key}}
+  emb: {{type: openai, base_url: "{embedder}", api_key: embed-key}}{judge}
 pool: {{warm_connections: 1}}
 models:
-  chat: {{backend: up, upstream_model: real-model}}
-  minilm: {{backend: emb, upstream_model: {MODEL_NAME}}}
+  chat: {{backend: up, upstream_model: real-model{own}}}
+  minilm: {{backend: emb, upstream_model: {MODEL_NAME}}}{judged}
 tenants:
   acme: {{keys: ["{ACME_HASH}"]}}
   globex: {{keys: ["{GLOBEX_HASH}"]}}
@@ -356,3 +362,77 @@ def test_purge_of_one_tenant_covers_its_semantic_entries(
     assert stored(postgres, question, "globex") == 1  # no other tenant's entry is touched
     _, headers, _ = ask(gateway, "What are the rules for castling in chess?", key=ACME)
     assert headers["x-sluice-semantic"] != "hit"
+
+
+def test_a_verifier_keeps_a_hit_on_yes_and_misses_on_no_or_past_its_deadline(
+    upstream: ScriptedUpstream, embedder: EmbeddingServer, tmp_path: Path
+) -> None:
+    deadline_ms = 300.0
+    original, paraphrase = "How do I reverse a list in Python?", "How can I reverse a list in Python?"
+    # Without the exact cache, so that asking the same text again reaches the semantic lookup.
+    with (
+        ScriptedUpstream(default=Ok(text="yes")) as judge,
+        gateway_process(
+            config(
+                upstream.url,
+                embedder.base_url,
+                "{type: memory}",
+                plugins="auth, semantic_cache",
+                verifier=judge.url,
+                verifier_deadline_ms=deadline_ms,
+            ),
+            tmp_path,
+        ) as gw,
+    ):
+
+        def results(result: str) -> float:
+            metrics = httpx.get(f"{gw.url}/metrics").text
+            return _value(metrics, "sluice_semantic_cache_results_total", tenant="acme", result=result)
+
+        def entries() -> float:
+            return _value(httpx.get(f"{gw.url}/metrics").text, "sluice_semantic_cache_stored_total", tenant="acme")
+
+        _, headers, _ = ask(gw, original)
+        assert headers["x-sluice-semantic"] == "miss"
+        assert judge.requests == []  # no candidate, no question
+        wait_until(lambda: entries() >= 1, 20, what="the answer stored")
+
+        # "yes": the hit is kept.
+        judge.script(Ok(text="Yes"))
+        before = chat_calls(upstream)
+        content, headers, _ = ask(gw, paraphrase)
+        assert headers["x-sluice-cache"] == "semantic"
+        assert headers["x-sluice-semantic"] == "hit"
+        assert content == TEXT
+        assert chat_calls(upstream) == before
+        asked = judge.requests[-1]
+        assert asked.path.endswith("/chat/completions")
+        assert asked.headers["authorization"] == "Bearer judge-key"  # through the gateway's own backend config
+        assert asked.json["model"] == "small-model"
+        prompt = asked.json["messages"][0]["content"]
+        assert paraphrase in prompt
+        assert original in prompt
+
+        # "no": the same candidate is a miss, counted as the verifier's, and the request goes upstream.
+        judge.script(Ok(text="No"))
+        content, headers, _ = ask(gw, paraphrase)
+        assert headers["x-sluice-semantic"] == "verifier"
+        assert headers.get("x-sluice-cache") is None  # no exact cache here to say `miss`; not `semantic`
+        assert float(headers["x-sluice-semantic-similarity"]) >= 0.9
+        assert content == TEXT
+        assert chat_calls(upstream) == before + 1
+        wait_until(lambda: results("verifier") >= 1, 10, what="the verifier's miss counted")
+
+        # A stalled verifier: a miss after about its deadline, never its stall.
+        ask(gw, "warm the upstream connection")
+        judge.script(Stall())
+        asked_before = len(judge.requests)
+        content, headers, seconds = ask(gw, paraphrase)
+        assert headers["x-sluice-semantic"] == "verifier"
+        assert content == TEXT
+        assert len(judge.requests) == asked_before + 1
+        # The deadline (0.3 s) plus the embedding and the upstream's ~0.05 s, with room for a loaded machine.
+        assert seconds < deadline_ms / 1000 * 5 + 0.5, seconds
+        assert judge.wait_disconnect(5)  # the stalled question is closed, not left running
+        wait_until(lambda: results("verifier") >= 2, 10, what="the deadline's miss counted")
+        assert results("hit") == 1

@@ -20,6 +20,7 @@ from plugins.semantic_cache.key import Lookup, Rules, plan
 from plugins.semantic_cache.memory import MemoryStore
 from plugins.semantic_cache.pgvector import decode_vector, encode_vector
 from plugins.semantic_cache.store import Entry, Where
+from plugins.semantic_cache.verifier import agrees, question
 
 RULES = Rules(embedding_model="minilm", embed="last_user", max_temperature=1.0, allow_tools=False, max_text_chars=200)
 ASK = [{"role": "user", "content": "How do I reverse a list in Python?"}]
@@ -226,6 +227,56 @@ def test_the_config_names_what_is_missing_or_wrong() -> None:
     assert "'cache' must come before 'semantic_cache'" in problems(
         "semantic_cache: {embedding_model: embed}\nplugins: [semantic_cache, cache]\n"
     )
+
+
+def test_a_verifier_must_name_a_model_of_the_config() -> None:
+    def with_verifier(verifier: str) -> str:
+        text = f"""
+backends:
+  sim: {{type: simulated}}
+models:
+  chat: {{backend: sim, semantic_cache: {{verifier: {verifier}}}}}
+  embed: {{backend: sim}}
+  judge: {{backend: sim}}
+semantic_cache: {{embedding_model: embed}}
+plugins: [semantic_cache]
+"""
+        with pytest.raises(ConfigError) as caught:
+            parse_config(text, "<test>")
+        return "\n".join(caught.value.lines)
+
+    unknown = with_verifier("{model: nope}")
+    assert unknown.count("\n") == 0  # one line
+    assert "models.chat.semantic_cache.verifier.model: no model named 'nope' in models" in unknown
+    assert "verifier.model" in with_verifier("{deadline_ms: 300}")
+    assert "verifier.deadline_ms" in with_verifier("{model: judge, deadline_ms: 0}")
+
+
+def test_a_verifier_is_off_unless_configured() -> None:
+    text = BASE.replace(
+        "chat: {backend: sim}", "chat: {backend: sim, semantic_cache: {verifier: {model: embed, deadline_ms: 250}}}"
+    )
+    settings = parse_config(text + "semantic_cache: {embedding_model: embed}\nplugins: [semantic_cache]\n", "<t>")
+    plugin = SemanticCache(settings.plugin_config("semantic_cache"), settings)
+    verifier = plugin.policies["chat"].verifier
+    assert verifier is not None
+    assert (verifier.model, verifier.deadline_ms) == ("embed", 250)
+    plain = parse_config(BASE + "semantic_cache: {embedding_model: embed}\nplugins: [semantic_cache]\n", "<t>")
+    assert SemanticCache(plain.plugin_config("semantic_cache"), plain).policies["chat"].verifier is None
+
+
+def test_a_verifier_answer_is_a_clear_yes_or_not_agreement() -> None:
+    def answer(content: object) -> dict[str, object]:
+        return {"choices": [{"message": {"role": "assistant", "content": content}}]}
+
+    assert agrees(answer("Yes"))
+    assert agrees(answer(" yes."))
+    refused: list[object] = [answer("No"), answer("maybe yes"), answer(None), answer(3), {}, [], None]
+    assert not any(agrees(a) for a in refused)
+    asked = question("judge", "Convert 5 km to miles", "Convert 5 miles to km")
+    assert asked["model"] == "judge"
+    assert asked["temperature"] == 0
+    assert "Request A: Convert 5 km to miles\nRequest B: Convert 5 miles to km" in asked["messages"][0]["content"]
 
 
 def test_a_valid_config_caches_every_model_but_the_embedding_model() -> None:

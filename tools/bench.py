@@ -21,19 +21,17 @@ in its own module, the page in bench_report.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 import sys
 import time
-from collections.abc import Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tools import bench_cache, bench_core, bench_full, bench_scale, bench_tenants, bench_tracing
-from tools.bench_fleet import BenchError, machine, placement
+from tools.bench_fleet import BenchError, machine, placement, run_loop
 from tools.bench_report import Report, command_line, judge
 from tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
 
@@ -133,15 +131,6 @@ async def measure(rig: Rig) -> tuple[Parts, float]:
     finally:
         await rig.aclose()
     return (core, tenants, cache, tracing, full), rss
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - platforms without uvloop
-        return asyncio.run(main)
-    result: T = uvloop.run(main)
-    return result
 
 
 def scenario_names(text: str) -> tuple[str, ...]:

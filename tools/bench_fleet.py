@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, TypeVar
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BENCH_DIR = Path("bench")
@@ -212,3 +213,16 @@ async def wait_redis(child: Child, port: int, deadline: float) -> None:
         if time.monotonic() > deadline:
             raise BenchError(f"{child.name} not ready within the start-up timeout: {child.output()}")
         await asyncio.sleep(0.05)
+
+
+T = TypeVar("T")
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run a benchmark's coroutine on uvloop, as the gateway runs, where it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        return asyncio.run(main)
+    result: T = uvloop.run(main)
+    return result

@@ -17,7 +17,6 @@ The CI budget (tests/integration/gateway/test_budget.py, bench/budget.toml) coun
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -25,16 +24,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import yaml
 
 from gateway.upstream.pool import Pool
 from plugins.auth.keys import new_key
-from tools.bench_fleet import BenchError, Child, free_port, spawn, start_redis, start_sim, start_sink, wait_redis
+from tools.bench_fleet import (
+    BenchError,
+    Child,
+    free_port,
+    run_loop,
+    spawn,
+    start_redis,
+    start_sim,
+    start_sink,
+    wait_redis,
+)
 from tools.bench_load import CLIENT_LIMITS, JSON_HEADERS, send_all, unique_workload, wait_ready
 
 T = TypeVar("T")
@@ -265,15 +274,6 @@ def markdown(counts: Sequence[Count], counting: Counting, command: str, seconds:
     if bare is not None and "full" in by_name:
         lines += ["", f"- Share bare / full: {100 * bare.per_request / by_name['full'].per_request:.1f} %"]
     return "\n".join([*lines, ""])
-
-
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - platforms without uvloop
-        return asyncio.run(main)
-    result: T = uvloop.run(main)
-    return result
 
 
 def main(preset: str, command: str, write: str | None) -> int:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_instructions import BARE, FULL, TREE, Count, Counting, count, helpers, missing_tools, run_loop
+from tools.bench_fleet import run_loop
+from tools.bench_instructions import BARE, FULL, TREE, Count, Counting, count, helpers, missing_tools
 
 BUDGET = TREE / "bench" / "budget.toml"
 # How the budget was counted (see its file): change both together.

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.server.protocol import RESERVED_FDS
 from tools import bench, bench_scale, bench_streams, bench_workers
+from tools.bench_fleet import run_loop
 
 COMMAND = "sluice bench --smoke --scenario workers,streams"
 
@@ -20,7 +21,7 @@ COMMAND = "sluice bench --smoke --scenario workers,streams"
 @pytest.fixture(scope="module")
 def report() -> bench_scale.ScaleReport:
     options = replace(bench.SMOKE, scenarios=bench_scale.OWN_PROCESSES, command=COMMAND)
-    return bench.run_loop(bench_scale.measure(options))
+    return run_loop(bench_scale.measure(options))
 
 
 def test_workers_served_every_request_and_metrics_summed_them(report: bench_scale.ScaleReport) -> None:
@@ -80,7 +81,7 @@ def test_streams_run_at_what_the_descriptor_limit_carries() -> None:
     if shutil.which("prlimit") is None:
         pytest.skip("prlimit (util-linux) not found: it lowers the gateway's limit")
     shape = bench_streams.Shape(1000, 1.5, 200.0, 50.0, 10)
-    s = bench.run_loop(bench_streams.measure(bench.SMOKE, dict(os.environ), max_fds=1024, shape=shape))
+    s = run_loop(bench_streams.measure(bench.SMOKE, dict(os.environ), max_fds=1024, shape=shape))
     assert s.shape.streams == (1024 - RESERVED_FDS) // 2 < shape.streams
     assert s.fd_limit == 1024
     assert s.errors == 0, s.failures

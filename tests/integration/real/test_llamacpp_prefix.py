@@ -184,16 +184,12 @@ def test_prefix_routing_keeps_each_conversation_on_the_replica_holding_its_promp
     assert prefix_wait < turn_wait, (prefix_wait, turn_wait)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 26: routing: prefix hashes only a prompt's first 16 KiB (max_blocks 32 of 512 characters), so "
-    "conversations sharing a longer system prompt get one key and lose their replica once load spreads them",
-)
 def test_conversations_sharing_a_system_prompt_over_16_kib_keep_their_replica(
     llama_servers: Start, llama_build: llamacpp.Build, tmp_path: Path
 ) -> None:
     long_model = model_or_skip(llama_build, LONG)
-    # About 5,800 tokens (17 KiB): more than the 16 KiB the prefix key covers by default.
+    # About 5,800 tokens (17 KiB): longer than the 16 KiB of leading blocks the prefix key hashes by default, so
+    # that only the conversation's own mark tells the replicas apart.
     system = system_prompt(7, 360)
     assert len(system) > 16 * 1024
     servers = replicas(llama_servers, "long", count=2, context=8192, model=long_model)

@@ -62,6 +62,19 @@ def tokens_counted(gw: RunningGateway, direction: str) -> float:
     return gateway_metric(gw.url, "sluice_tokens_total", model="tiny", direction=direction)
 
 
+def settled(gw: RunningGateway, llama: LlamaServer) -> float:
+    """The output tokens the gateway counted, once they are all the server generated: the gateway is the
+    server's only client and counts a response's usage after its last byte, so an earlier test's may be late."""
+    counted: list[float] = []
+
+    def equal() -> bool:
+        counted[:] = [tokens_counted(gw, "output")]
+        return counted[0] == llama.metrics()["tokens_predicted_total"]
+
+    wait_for(equal, what="the gateway's output tokens equal to the server's")
+    return counted[0]
+
+
 def test_chat_not_streamed_reports_the_servers_timings_and_its_prompt_cache(
     gateway: RunningGateway, llama: LlamaServer
 ) -> None:
@@ -118,21 +131,21 @@ def test_chat_streamed_with_usage_ends_with_the_servers_usage_chunk(gateway: Run
 def test_a_stream_without_usage_shows_none_yet_the_gateway_counts_its_tokens(
     gateway: RunningGateway, llama: LlamaServer
 ) -> None:
-    output, prompt = tokens_counted(gateway, "output"), tokens_counted(gateway, "input")
+    output, prompt = settled(gateway, llama), tokens_counted(gateway, "input")
     before = llama.metrics()
     stream = sdk(gateway).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, stream=True)
     chunks = list(stream)
     assert chunks
     assert all(c.usage is None for c in chunks)  # the gateway asked for usage upstream, the client did not
     assert all(c.choices for c in chunks)  # nor does it see the usage chunk's empty `choices`
-    wait_for(lambda: tokens_counted(gateway, "output") - output == 10, what="10 output tokens counted")
+    assert settled(gateway, llama) - output == 10
     assert llama.metrics()["tokens_predicted_total"] - before["tokens_predicted_total"] == 10
     assert tokens_counted(gateway, "input") - prompt > 100  # the whole prompt, cached tokens included
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_streamed_and_not(gateway: RunningGateway, llama: LlamaServer, stream: bool) -> None:
-    output = tokens_counted(gateway, "output")
+    output = settled(gateway, llama)
     before = llama.metrics()
     prompt = f"{'streamed' if stream else 'whole'}: {PROMPT}"
     if stream:
@@ -154,7 +167,7 @@ def test_completions_streamed_and_not(gateway: RunningGateway, llama: LlamaServe
     assert usage.completion_tokens == 7
     assert usage.prompt_tokens > 100
     assert llama.metrics()["tokens_predicted_total"] - before["tokens_predicted_total"] == 7
-    wait_for(lambda: tokens_counted(gateway, "output") - output == 7, what="7 output tokens counted")
+    assert settled(gateway, llama) - output == 7
 
 
 def test_n_up_to_the_slot_count_is_served(gateway: RunningGateway) -> None:

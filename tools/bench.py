@@ -43,7 +43,9 @@ SCENARIOS = ("core", "tenants", "cache", "tracing", "full", *bench_scale.OWN_PRO
 ROUTING = "routing"
 # Counted under callgrind by its own module (tools/bench_instructions.py); not part of `all`.
 INSTRUCTIONS = "instructions"
-EXTRA = (ROUTING, INSTRUCTIONS)
+# Against real llama.cpp servers (tools/bench_real.py, which needs the built llama-server); not part of `all`.
+REAL = "real"
+EXTRA = (ROUTING, INSTRUCTIONS, REAL)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -158,7 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=("core",),
         metavar="NAME[,NAME...]",
         help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core); {ROUTING}: the route policies; "
-        f"{INSTRUCTIONS}: instructions per request under callgrind",
+        f"{INSTRUCTIONS}: instructions per request under callgrind; {REAL}: routing and core against real llama.cpp "
+        "servers",
     )
     parser.add_argument("--config", help=f"the core gateway's config (default bench/{CORE_CONFIG})")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown report to PATH")
@@ -194,6 +197,14 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
 
         status = bench_instructions.main(options.preset, options.command, options.write)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != INSTRUCTIONS))
+        if not options.scenarios or status:
+            return status
+    if REAL in options.scenarios:
+        from tools import bench_real
+
+        seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
+        status = bench_real.main(seconds)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != REAL))
         if not options.scenarios or status:
             return status
 

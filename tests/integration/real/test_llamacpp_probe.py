@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from tests.support.gateway import gateway_process
 from tests.support.llamacpp import Start
 from tools.llamacpp_server import LlamaServer
 from tools.probe import add_arguments, main
@@ -103,6 +104,26 @@ def test_prefill_grows_with_the_prompt_and_the_cache_skips_it(llama_servers: Sta
     long_tokens = 900  # the long probe's prompt is ~1,000 tokens
     assert sent >= 5
     assert metric(server, "prompt_tokens_total") - processed < (sent - 2) * long_tokens
+
+
+def test_through_sluice_serve_the_cache_and_prefill_are_named(llama_servers: Start, tmp_path: Path) -> None:
+    (server,) = llama_servers(slots=1)
+    warm(server)
+    config = f"""
+backends:
+  llama: {{type: llamacpp, base_url: "{server.base_url}"}}
+pool: {{warm_connections: 1}}
+models:
+  tiny: {{backend: llama}}
+"""
+    with gateway_process(config, tmp_path) as gw:
+        doc = probe(tmp_path, gw.base_url, "--samples", "1", "--model", "tiny")
+    (target,) = doc["targets"]
+    first = target["first_ttft_ms"]
+    print(f"through sluice serve, first TTFT (ms): {first}; findings: {sorted(codes(doc))}")
+    assert first["long"] > 2 * first["minimal"], first
+    assert {"prefill", "prompt_cache"} <= codes(doc), doc["findings"]
+    assert "queueing" not in codes(doc), doc["findings"]
 
 
 def test_more_requests_than_slots_is_named_queueing(llama_servers: Start, tmp_path: Path) -> None:

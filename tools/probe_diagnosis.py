@@ -21,6 +21,7 @@ SETUP_SHARE, SETUP_MIN_MS = 0.2, 30.0  # a new connection adds >= 20% of a reuse
 QUEUE_TPOT_RATIO, QUEUE_MIN_MS = 10.0, 200.0  # server time to first token >= 10 decode steps and >= 200 ms
 BUFFER_TAIL_SHARE, BUFFER_MIN_MS, BUFFER_MIN_TOKENS = 0.1, 50.0, 5
 PREFILL_RATIO, PREFILL_MIN_MS = 2.0, 100.0  # long-prompt TTFT >= 2x minimal and >= +100 ms
+CACHE_RATIO, CACHE_MIN_MS = 2.0, 50.0  # a prompt's first TTFT >= 2x its repeats' and >= +50 ms
 JITTER_MIN_GAPS = 50  # fewer gaps (a minimal-only run) make p90 a matter of two or three reads
 JITTER_P90_RATIO, JITTER_P90_MIN_MS = 3.0, 20.0
 JITTER_MAX_RATIO, JITTER_MAX_MIN_MS = 10.0, 250.0
@@ -64,7 +65,7 @@ def diagnose(targets: list[TargetSummary], comparison: Comparison | None) -> lis
         # A buffered stream's first token marks the end of the answer: TTFT rules would misread it.
         rules: list[Rule] = [_cold_start, _connection_reuse, _keepalive, _contention]
         if buffered is None:
-            rules += [_queueing, _prefill]
+            rules += [_queueing, _prefill, _prompt_cache]
         findings += [found for rule in rules if (found := rule(target)) is not None]
     if comparison is not None and len(targets) == 2:
         found = _gateway_overhead(comparison, targets[1])
@@ -237,23 +238,50 @@ def _buffering(target: TargetSummary) -> Finding | None:
     )
 
 
+def _long_warm(target: TargetSummary) -> Cell | None:
+    return find(target.cells, "long", True, "reused") or find(target.cells, "long", True, "fresh")
+
+
 def _prefill(target: TargetSummary) -> Finding | None:
-    short = _warm_minimal(target)
-    long = find(target.cells, "long", True, "reused") or find(target.cells, "long", True, "fresh")
+    short, long = _warm_minimal(target), _long_warm(target)
     if short is None or long is None:
         return None
-    a, b = short.p50("ttft_ms"), long.p50("ttft_ms")
+    a, warm = short.p50("ttft_ms"), long.p50("ttft_ms")
+    # Behind a prompt cache (llama.cpp, vLLM's prefix caching) repeats of the long prompt skip its prefill:
+    # only its first request shows what prefill costs.
+    first = target.first_ttft.get("long")
+    b = warm if first is None or (warm is not None and warm >= first) else first
     if a is None or b is None or b < PREFILL_RATIO * a or b - a < PREFILL_MIN_MS:
         return None
+    when = "(p50)" if b == warm else "the first time it is sent"
     return Finding(
         target.name,
         "prefill",
         "prompt length: prefill of long prompts dominates the time to first token",
         "first_token",
-        f"the long prompt reaches its first token in {b:.0f} ms, the minimal one in {a:.0f} ms (p50)",
+        f"the long prompt reaches its first token in {b:.0f} ms {when}, the minimal one in {a:.0f} ms (p50)",
         "shorten or reuse prompts (stable prefixes let prefix/prompt caching work: put the fixed part first); "
         "on vLLM enable prefix caching and chunked prefill; a smaller or faster model for long inputs",
-        {"minimal_ttft_p50_ms": a, "long_ttft_p50_ms": b, "difference_ms": b - a},
+        {"minimal_ttft_p50_ms": a, "long_ttft_p50_ms": warm, "long_first_ttft_ms": first, "difference_ms": b - a},
+    )
+
+
+def _prompt_cache(target: TargetSummary) -> Finding | None:
+    long, first = _long_warm(target), target.first_ttft.get("long")
+    repeat = None if long is None else long.p50("ttft_ms")
+    if first is None or repeat is None or first < CACHE_RATIO * repeat or first - repeat < CACHE_MIN_MS:
+        return None
+    return Finding(
+        target.name,
+        "prompt_cache",
+        "a prompt cache: a repeated prompt skips its prefill, a new one pays for it",
+        "first_token",
+        f"the long prompt reaches its first token in {first:.0f} ms the first time it is sent, in "
+        f"{repeat:.0f} ms (p50) when repeated: {first / max(repeat, 0.001):.1f}x",
+        "real traffic repeats prefixes, not whole prompts: put the fixed part (system prompt, tools, documents) "
+        "first and keep it byte-identical; with several replicas route a conversation to the one that holds its "
+        "prefix (in Sluice, routing: prefix); measure new prompts for the cost users actually see",
+        {"first_ttft_ms": first, "repeat_ttft_p50_ms": repeat, "ratio": first / max(repeat, 0.001)},
     )
 
 

@@ -240,6 +240,9 @@ class TargetSummary:
     reuse_planned: int  # requests meant for a kept-alive connection
     reuse_lost: int  # of those, how many found it closed and had to open a new one
     errors: int = 0
+    # Per probe, the time to first token of the first streamed request of its prompt (the cold request for
+    # minimal, the warm-up for the others): the only one a server's prompt cache has not seen before.
+    first_ttft: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -252,6 +255,7 @@ class TargetSummary:
             "floor": self.floor.as_json(),
             "gateway": None if self.gateway is None else self.gateway.as_json(),
             "keepalive": {"planned": self.reuse_planned, "lost": self.reuse_lost},
+            "first_ttft_ms": {probe: round(ms, 3) for probe, ms in self.first_ttft.items()},
         }
 
 
@@ -265,6 +269,9 @@ def summarise(
         name, url, model, cells, cold, _floor(mine, cells, cold), _gateway_view(mine), reuse[0], reuse[1]
     )
     summary.errors = sum(1 for s in mine if not s.ok)
+    for s in mine:
+        if s.ok and s.stream and s.ttft_ms is not None and s.role in ("cold", "warmup"):
+            summary.first_ttft.setdefault(s.probe, s.ttft_ms)
     return summary
 
 

@@ -44,9 +44,8 @@ def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def redis_cluster() -> Iterator[RedisCluster]:
-    """A real 3-master, 3-replica Redis Cluster shared by one module's tests."""
+def started_cluster() -> Iterator[RedisCluster]:
+    """A real 3-master, 3-replica Redis Cluster, stopped afterwards; the test skips, saying why, where none starts."""
     cluster = RedisCluster()
     try:
         cluster.start()
@@ -57,6 +56,18 @@ def redis_cluster() -> Iterator[RedisCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """A cluster shared by one module's tests."""
+    yield from started_cluster()
+
+
+@pytest.fixture()
+def cluster() -> Iterator[RedisCluster]:
+    """A cluster of one test's own, for tests that kill or fail over its masters."""
+    yield from started_cluster()
 
 
 @pytest.fixture(autouse=True)

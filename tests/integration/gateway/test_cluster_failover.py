@@ -9,16 +9,12 @@ the cancelled connect came up to the pipeline as if the gateway were shutting do
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
-import redis
 
 from gateway.state.cluster import Cluster
 from gateway.state.store import Store
@@ -44,19 +40,6 @@ auth: {{required: true}}
 cache: {{mode: always}}
 plugins: [auth, rate_limit, cache]
 """
-
-
-@pytest.fixture()
-def cluster() -> Iterator[RedisCluster]:
-    """A cluster of this test's own: its masters and replicas trade places."""
-    try:
-        started = RedisCluster().__enter__()
-    except (RuntimeError, OSError, subprocess.SubprocessError, redis.RedisError) as exc:
-        pytest.skip(f"cannot start a Redis Cluster here: {exc}")
-    try:
-        yield started
-    finally:
-        started.__exit__()
 
 
 def masters(cluster: RedisCluster) -> list[RedisServer]:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
-import redis
 
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process
@@ -41,19 +37,6 @@ plugins: [auth, rate_limit, cache]
 def ask(gw: RunningGateway, model: str, content: str) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": content}]}
     return httpx.post(f"{gw.base_url}/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
-
-
-@pytest.fixture()
-def cluster() -> Iterator[RedisCluster]:
-    """A cluster of this test's own: the failover test kills one of its masters."""
-    try:
-        started = RedisCluster().__enter__()
-    except (RuntimeError, OSError, subprocess.SubprocessError, redis.RedisError) as exc:
-        pytest.skip(f"cannot start a Redis Cluster here: {exc}")
-    try:
-        yield started
-    finally:
-        started.__exit__()
 
 
 def test_two_gateways_share_one_limit_and_one_cache(redis_cluster: RedisCluster, tmp_path: Path) -> None:

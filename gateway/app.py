@@ -1,13 +1,16 @@
-"""The ASGI application: a bare callable for the proxy endpoints, Starlette for everything else.
+"""The application: the proxy endpoints straight to the pipeline, Starlette for everything else.
 
-The proxy paths are matched with one dict lookup and go straight to the pipeline, without routing,
-middleware or Request objects; health, readiness, the model list and unknown paths go through
-Starlette, where per-request cost does not matter.
+Under the gateway's own HTTP/1.1 protocol (server/protocol.py) a POST to a proxy path does not go through ASGI
+at all: the protocol asks `direct_route` for the path's handler and runs the pipeline on the parsed request
+(server/direct.py). Under any other server (or for another method) the ASGI callable matches the proxy paths with
+one dict lookup and goes straight to the pipeline, without routing, middleware or Request objects; health,
+readiness, the model list and unknown paths go through Starlette, where per-request cost does not matter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import ipaddress
 import logging
@@ -31,6 +34,7 @@ from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
 from gateway.runtime import Runtime
 from gateway.server import lifeline
 from gateway.server.admin import AdminListener
+from gateway.server.direct import Direct, Handler
 from gateway.server.reply import send_error
 from gateway.server.request import request_id
 from gateway.settings import Listen, Settings
@@ -57,6 +61,8 @@ ENDPOINTS = {
 }
 # Deployment paths: Azure's dated form, and what `AzureOpenAI(base_url=".../openai/v1")` sends.
 AZURE_PREFIXES = ("/openai/deployments/", "/openai/v1/deployments/")
+AZURE_BYTES = tuple(prefix.encode() for prefix in AZURE_PREFIXES)
+MAX_DIRECT_ROUTES = 1024  # deployments' paths remembered; past it a handler is made for each request
 # How uvicorn serves the gateway wherever it runs it (serve, demo, tests): httptools (gateway/server/protocol.py), no
 # uvicorn access log (the gateway has its own), and
 # neither proxy-headers middleware nor a server header, since nothing on the request path reads them.
@@ -82,6 +88,11 @@ class Gateway:
         self.admin_token = b"Bearer " + admin.token.encode() if admin.token else None
         self.admin_here = admin.port is None and (self.admin_token is not None or loopback(settings.listen.host))
         self.admin: AdminListener | None = None
+        # The proxy routes' handlers for the protocol's direct path: the fixed paths now, a deployment's path
+        # when first asked for.
+        self.direct_routes: dict[bytes, Handler] = {
+            path.encode(): functools.partial(self.direct, endpoint, None) for path, endpoint in ENDPOINTS.items()
+        }
         errors_handled = {HTTPException: self.http_error}
         routes = [
             Route("/healthz", self.healthz),
@@ -114,13 +125,9 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path: str = scope["path"]
-            endpoint = ENDPOINTS.get(path)
-            deployment = None
-            if endpoint is None and path.startswith(AZURE_PREFIXES):
-                prefix = AZURE_PREFIXES[0] if path.startswith(AZURE_PREFIXES[0]) else AZURE_PREFIXES[1]
-                deployment, _, rest = path[len(prefix) :].partition("/")
-                endpoint = ENDPOINTS.get("/" + rest) if deployment else None
-            if endpoint is not None:
+            route = proxy_route(path)
+            if route is not None:
+                endpoint, deployment = route
                 runtime = self.runtime
                 if scope["method"] != "POST":
                     error: errors.GatewayError = errors.MethodNotAllowedError(f"{scope['method']} is not allowed here")
@@ -144,6 +151,26 @@ class Gateway:
                     await runtime.responses.handle(scope, receive, send, rest, jobs)
                 return
         await self.site(scope, receive, send)
+
+    def direct_route(self, path: bytes) -> Handler | None:
+        """The handler of a POST to `path` that the HTTP/1.1 protocol may run without ASGI (server/direct.py),
+        or None: the request goes to the ASGI app (every other path, and one with an escape to decode)."""
+        handler = self.direct_routes.get(path)
+        if handler is None and path.startswith(AZURE_BYTES) and b"%" not in path and path.isascii():
+            route = proxy_route(path.decode())
+            if route is not None:
+                handler = functools.partial(self.direct, *route)
+                if len(self.direct_routes) < MAX_DIRECT_ROUTES:
+                    self.direct_routes[path] = handler
+        return handler
+
+    async def direct(self, endpoint: str, deployment: str | None, cycle: Direct) -> None:
+        runtime = self.runtime
+        if runtime is None:
+            error = errors.ServiceUnavailableError("gateway is starting")
+            await send_error(cycle.send, error, request_id(cycle.headers))
+        else:
+            await runtime.pipeline.handle_direct(cycle, endpoint, deployment)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
@@ -272,6 +299,20 @@ def create_app(settings: Settings | None = None) -> Gateway:
             host, _, port = listen.rpartition(":")
             settings = settings.model_copy(update={"listen": Listen(host=host, port=int(port))})
     return Gateway(settings)
+
+
+def proxy_route(path: str) -> tuple[str, str | None] | None:
+    """(endpoint, deployment) for a proxy path, else None."""
+    endpoint = ENDPOINTS.get(path)
+    if endpoint is not None:
+        return endpoint, None
+    if path.startswith(AZURE_PREFIXES):
+        prefix = AZURE_PREFIXES[0] if path.startswith(AZURE_PREFIXES[0]) else AZURE_PREFIXES[1]
+        deployment, _, rest = path[len(prefix) :].partition("/")
+        endpoint = ENDPOINTS.get("/" + rest) if deployment else None
+        if endpoint is not None:
+            return endpoint, deployment
+    return None
 
 
 def loopback(host: str) -> bool:

@@ -1,7 +1,8 @@
 """The request path: the only module with request control flow. Six steps, one direction.
 
-    1 parse     ASGI request -> Exchange (request.py), targets = the model's chain, which the routing step
-                (`route`, set by the runtime: the Responses API, background jobs) may replace
+    1 parse     request -> Exchange (server/request.py), from the protocol (server/direct.py) or from ASGI;
+                targets = the model's chain, which the routing step (`route`, set by the runtime: the
+                Responses API, background jobs) may replace
     2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects; then
                 for the Responses API and stored objects, the admission step (`admit`, set by the runtime):
                 the owner of what the request reads or references, checked against its tenant
@@ -38,6 +39,7 @@ from gateway.wire.marks import stream_rules
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Plugin
+    from gateway.server.direct import Direct
     from gateway.settings import Settings
     from gateway.telemetry.recorder import Telemetry
     from gateway.upstream.attempts import Upstreams
@@ -80,14 +82,51 @@ class Pipeline:
     async def handle(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
     ) -> None:
+        """A request from the ASGI app (or a caller that speaks ASGI: the cache's warm-up, evaluations)."""
         started: float = scope.get(request.ARRIVED) or time.perf_counter()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         rid = request.request_id(headers)
         try:
             body = await request.read_body(receive, headers, self.max_body)
-            ex = request.parse(endpoint, headers, body, started, rid, path_model)
         except request.ClientGone:
             return
+        except errors.GatewayError as exc:
+            await self._reject(send, exc, rid, endpoint, started)
+            return
+        await self._route(headers, body, started, rid, receive, send, endpoint, path_model, None)
+
+    async def handle_direct(self, direct: Direct, endpoint: str, path_model: str | None = None) -> None:
+        """A request on a proxy route from the HTTP/1.1 protocol (server/direct.py), without the ASGI cycle."""
+        headers = direct.headers
+        rid = request.request_id(headers)
+        try:
+            body = direct.whole()  # the common case: the body came with the head
+            if body is None:
+                body = await request.read_body(direct.receive, headers, self.max_body)
+            else:
+                body = request.taken(body, headers, self.max_body)
+        except request.ClientGone:
+            return
+        except errors.GatewayError as exc:
+            await self._reject(direct.send, exc, rid, endpoint, direct.arrived)
+            return
+        await self._route(headers, body, direct.arrived, rid, direct.receive, direct.send, endpoint, path_model, direct)
+
+    async def _route(
+        self,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        started: float,
+        rid: str,
+        receive: Receive,
+        send: Send,
+        endpoint: str,
+        path_model: str | None,
+        direct: Direct | None,
+    ) -> None:
+        """Step 1's end: the Exchange parsed and its targets found, or the request refused."""
+        try:
+            ex = request.parse(endpoint, headers, body, started, rid, path_model)
         except errors.GatewayError as exc:
             await self._reject(send, exc, rid, endpoint, started)
             return
@@ -106,13 +145,13 @@ class Pipeline:
             except errors.GatewayError as exc:
                 await self._reject(send, exc, rid, endpoint, started, ex.model)
                 return
-        await self.serve(ex, receive, send)
+        await self.serve(ex, receive, send, direct)
 
-    async def serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
+    async def serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None = None) -> None:
         """Steps 2 to 6 for an Exchange whose targets are set (also for requests parsed elsewhere)."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
-        await self._serve(ex, receive, send)
+        await self._serve(ex, receive, send, direct)
 
     async def _reject(
         self,
@@ -130,23 +169,25 @@ class Pipeline:
         if self.access is not None:
             refusal_line(self.access, endpoint, error, rid, started, model)
 
-    async def _serve(self, ex: Exchange, receive: Receive, send: Send) -> None:
+    async def _serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None) -> None:
         outcome = Outcome(status=0)
         task = asyncio.current_task()
         assert task is not None
         done = False
 
-        def client_left(_: asyncio.Future[Any]) -> None:
+        def client_left(_: object = None) -> None:
             if not done:
                 outcome.client_gone = True
                 task.cancel()
 
-        # uvicorn reports a disconnect only through receive(): watch it so that a client that leaves stops
-        # the upstream at once, whether we are waiting for the first token or relaying. The watcher starts
-        # only once a request has lasted WATCH_AFTER_S: most non-stream answers are done by then, and a
-        # client gone sooner loses nothing but those milliseconds of upstream work.
+        # A client that leaves stops the upstream at once, whether we are waiting for the first token or
+        # relaying. The protocol's direct path says so when the connection is lost. Under ASGI a disconnect
+        # is reported only through receive(): a watcher on it starts once a request has lasted WATCH_AFTER_S
+        # (most non-stream answers are done by then; a client gone sooner loses nothing but those
+        # milliseconds of upstream work).
         loop = asyncio.get_running_loop()
         watcher: asyncio.Future[Any] | None = None
+        timer: asyncio.TimerHandle | None = None
 
         def watch() -> None:
             nonlocal watcher
@@ -154,7 +195,12 @@ class Pipeline:
                 watcher = asyncio.ensure_future(receive())
                 watcher.add_done_callback(client_left)
 
-        timer = loop.call_later(WATCH_AFTER_S, watch)
+        if direct is not None:
+            direct.gone = client_left
+            if direct.disconnected:  # gone while the request was parsed
+                client_left()
+        else:
+            timer = loop.call_later(WATCH_AFTER_S, watch)
         ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1
         try:
@@ -179,7 +225,10 @@ class Pipeline:
                 await self._end(ex, send, outcome, INTERNAL_CANCELLED)
         finally:
             done = True
-            timer.cancel()
+            if direct is not None:
+                direct.gone = None
+            elif timer is not None:
+                timer.cancel()
             if watcher is not None:
                 watcher.cancel()
             if ex.resource:

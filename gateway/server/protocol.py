@@ -20,6 +20,7 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -32,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.server import ServerState
 
 from gateway import errors
+from gateway.server.direct import NAMES, Direct, Handler, checked_lines, plain, run
 from gateway.server.reply import BODY_FOLLOWS
 from gateway.server.request import ARRIVED
 from gateway.settings import LimitSettings
@@ -49,25 +51,6 @@ REASONS = {
 # and the connections accepted past the cap, each held only until its 503 is written.
 RESERVED_FDS = 128
 RETRY_AFTER_S = 1
-
-
-# What uvicorn's HEADER_RE and HEADER_VALUE_RE refuse, as bytes to delete: a C pass over the bytes.
-BAD_NAME = bytes([*range(0x20), 0x7F]) + b'()<>@,;:[]={} \t\\"'
-BAD_VALUE = bytes([*range(0x09), *range(0x0A, 0x20), 0x7F])
-# Header names sent before that are lower-case and valid, and none that uvicorn must act on: each checked once.
-NAMES: set[bytes] = set()
-MAX_NAMES = 256  # the gateway's own are a few dozen; past this a new name is checked every time
-
-
-def plain(name: bytes) -> bool:
-    """A lower-case, valid header name that needs no handling (remembered in NAMES)."""
-    if name in (b"connection", b"transfer-encoding") or not name.islower():
-        return False
-    if len(name.translate(None, BAD_NAME)) != len(name):
-        return False
-    if len(NAMES) < MAX_NAMES:
-        NAMES.add(name)
-    return True
 
 
 class Cycle(RequestResponseCycle):
@@ -108,11 +91,7 @@ class Cycle(RequestResponseCycle):
                 length = int(value.decode())
             elif not plain(name):
                 return None  # uvicorn's path: it lower-cases, refuses a bad name, or honours the header
-        lines = b"\r\n".join([b": ".join(pair) for pair in pairs])
-        # A value may hold no control character but tab: what the translation deletes beyond the CR LF
-        # between the lines is one (uvicorn's regex, a C pass instead of two searches per header).
-        if len(lines) - len(lines.translate(None, BAD_VALUE)) != 2 * max(len(pairs) - 1, 0):
-            raise RuntimeError("Invalid HTTP header value.")
+        lines = checked_lines(pairs)  # uvicorn's regex, a C pass instead of two searches per header
         ending = b"\r\n" if pairs else b""
         if length is not None:
             self.expected_content_length = length
@@ -188,6 +167,12 @@ class GatewayProtocol(HttpToolsProtocol):
         self.last_read = 0.0  # loop.time() of the last read, for the body timeout
         self.timer: asyncio.TimerHandle | None = None
         self.over_cap = False  # accepted past what the descriptor limit carries: its requests get 503
+        self.arrived = 0.0  # perf_counter() when the current request's first byte was read
+        # Where the app serves a proxy route without ASGI: the handler for a path, or None for the ASGI app.
+        # Not with what only the ASGI cycle does: uvicorn's access log, a root path, a concurrency limit.
+        route = getattr(self.app, "direct_route", None)
+        plain_server = not self.access_log and not self.root_path and self.limit_concurrency is None
+        self.route: Callable[[bytes], Handler | None] | None = route if plain_server else None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -243,8 +228,11 @@ class GatewayProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         # Called by the parser within the read that holds the request's first byte: the overhead starts here.
-        super().on_message_begin()
-        self.scope[ARRIVED] = time.perf_counter()  # type: ignore[literal-required]
+        # The ASGI scope is made only for a request that goes to the ASGI app (_scope).
+        self.arrived = time.perf_counter()
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
 
     def on_headers_complete(self) -> None:
         if self.over_cap:
@@ -261,15 +249,78 @@ class GatewayProtocol(HttpToolsProtocol):
         self.in_body = True
         self.head_bytes = 0
         self._disarm()
+        parser = self.parser
+        if self.route is not None and parser.get_method() == b"POST" and not parser.should_upgrade():
+            handler = self.route(self.url.partition(b"?")[0])
+            if handler is not None:
+                self._direct(handler, parser.get_http_version() != "1.0" and parser.should_keep_alive())
+                return
+        self.scope = self._scope()
         super().on_headers_complete()
+
+    def _direct(self, handler: Handler, keep_alive: bool) -> None:
+        """A request on a proxy route: the pipeline answers it on the transport, without the ASGI cycle."""
+        previous = self.cycle
+        cycle = Direct(
+            self.transport,
+            self.flow,
+            self.headers,
+            self.arrived,
+            self.server_state.default_headers,
+            keep_alive,
+            self.expect_100_continue,
+            self.on_response_complete,
+        )
+        self.cycle = cycle  # type: ignore[assignment]
+        if previous is None or previous.response_complete:
+            self._start_direct(cycle, handler)
+        else:  # pipelined behind a response still going out: started when it is complete (on_response_complete)
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, handler))  # type: ignore[arg-type]
+
+    def _start_direct(self, cycle: Direct, handler: Handler) -> None:
+        task = self.loop.create_task(run(cycle, handler))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def _scope(self) -> Any:
+        """The ASGI scope uvicorn makes for a request (in its on_message_begin), with the first byte's time."""
+        return {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            ARRIVED: self.arrived,
+        }
+
+    def on_body(self, body: bytes) -> None:
+        cycle: Any = self.cycle
+        if type(cycle) is Direct:
+            if not cycle.response_complete:
+                cycle.feed(body)
+        else:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         self.in_head = True
         self.in_body = False
         self._disarm()
-        super().on_message_complete()
+        cycle: Any = self.cycle
+        if type(cycle) is Direct:
+            if not cycle.response_complete:
+                cycle.ended()
+        else:
+            super().on_message_complete()
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if type(cycle) is Direct:  # a pipelined request on a proxy route, its turn come
+            self._start_direct(cycle, app)
+            return
         cycle.__class__ = Cycle  # made by uvicorn's on_headers_complete; it has not run yet
         super()._start_asgi_task(cycle, app)
 

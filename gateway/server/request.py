@@ -1,4 +1,4 @@
-"""Step 1 of the pipeline: the ASGI request becomes an Exchange, or a 4xx in OpenAI's format.
+"""Step 1 of the pipeline: the request (ASGI, or server/direct.py's) becomes an Exchange, or a 4xx in OpenAI's format.
 
 The body is read with a size cap (before decompression and after), parsed once with orjson and
 checked just enough that the gateway can route it: the model, the fields the endpoint cannot do without,
@@ -80,13 +80,29 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return f"{random.getrandbits(128):032x}"  # as unique as a uuid4, at a seventh of the cost
 
 
-async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+def expected(headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    """The body's content-encoding (b"" for none); 413 now if its content-length says it is over `limit`."""
     encoding = b""
     for name, value in headers:
         if name == b"content-length" and value.isdigit() and int(value) > limit:
             raise errors.PayloadTooLargeError(f"request body larger than {limit} bytes")
         if name == b"content-encoding":
             encoding = value.strip().lower()
+    return encoding
+
+
+def taken(body: bytes, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    """A body that arrived whole with its head (server/direct.py), checked and decoded as read_body does."""
+    encoding = expected(headers, limit)
+    if len(body) > limit:
+        raise errors.PayloadTooLargeError(f"request body larger than {limit} bytes")
+    if encoding and encoding != b"identity":
+        body = decompress(body, encoding, limit)
+    return body
+
+
+async def read_body(receive: Receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    encoding = expected(headers, limit)
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone

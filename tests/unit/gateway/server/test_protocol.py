@@ -1,7 +1,8 @@
-"""The response cycle that writes a marked head with its body's first part: uvicorn's bytes, in fewer writes.
+"""The response cycles that write a marked head with its body's first part: uvicorn's bytes, in fewer writes.
 
-Each case is sent through uvicorn's own RequestResponseCycle and through ours, each on a transport that records
-its writes: the bytes on the wire must be identical, and a head marked BODY_FOLLOWS must leave with its body.
+Each case is sent through uvicorn's own RequestResponseCycle and through ours (the ASGI one, and the direct
+one the proxy routes use), each on a transport that records its writes: the bytes on the wire must be
+identical, and a head marked BODY_FOLLOWS must leave with its body.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from gateway.server.direct import Direct
 from gateway.server.protocol import Cycle
 from gateway.server.reply import BODY_FOLLOWS
 
@@ -65,6 +67,19 @@ def cycle(kind: type[RequestResponseCycle], method: str = "POST", keep_alive: bo
     return made
 
 
+def direct(keep_alive: bool = True) -> Any:
+    """The proxy routes' cycle (always a POST), on a recording transport."""
+    transport: Any = Recording()
+    return Direct(transport, FlowControl(transport), [], 0.0, DEFAULT_HEADERS, keep_alive, False, lambda: None)
+
+
+def made(kind: str, method: str = "POST", keep_alive: bool = True) -> Any:
+    return direct(keep_alive) if kind == "direct" else cycle(Cycle, method, keep_alive)
+
+
+KINDS = ["cycle", "direct"]
+
+
 def start(status: int, headers: list[tuple[bytes, bytes]], marked: bool = True) -> dict[str, Any]:
     message: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
     if marked:
@@ -107,18 +122,20 @@ CASES: dict[str, tuple[str, bool, list[dict[str, Any]]]] = {
 }
 
 
-async def run(kind: type[RequestResponseCycle], method: str, keep_alive: bool, messages: list[dict[str, Any]]) -> Any:
-    made = cycle(kind, method, keep_alive)
+async def run(made: Any, messages: list[dict[str, Any]]) -> Any:
     for message in messages:
-        await made.send(message)  # type: ignore[arg-type]
+        await made.send(message)
     return made
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", list(CASES))
-async def test_the_same_bytes_as_uvicorn(case: str) -> None:
+async def test_the_same_bytes_as_uvicorn(case: str, kind: str) -> None:
     method, keep_alive, messages = CASES[case]
-    theirs = await run(RequestResponseCycle, method, keep_alive, messages)
-    ours = await run(Cycle, method, keep_alive, messages)
+    if kind == "direct" and method != "POST":
+        pytest.skip("the direct cycle serves POSTs only")
+    theirs = await run(cycle(RequestResponseCycle, method, keep_alive), messages)
+    ours = await run(made(kind, method, keep_alive), messages)
     assert b"".join(ours.transport.writes) == b"".join(theirs.transport.writes)
     assert (ours.response_complete, ours.keep_alive, ours.transport.closed) == (
         theirs.response_complete,
@@ -127,40 +144,43 @@ async def test_the_same_bytes_as_uvicorn(case: str) -> None:
     )
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", ["whole body", "error body", "stream", "client asked to close"])
-async def test_a_marked_head_leaves_with_the_first_body_part(case: str) -> None:
+async def test_a_marked_head_leaves_with_the_first_body_part(case: str, kind: str) -> None:
     method, keep_alive, messages = CASES[case]
-    theirs = await run(RequestResponseCycle, method, keep_alive, messages)
-    ours = await run(Cycle, method, keep_alive, messages)
+    theirs = await run(cycle(RequestResponseCycle, method, keep_alive), messages)
+    ours = await run(made(kind, method, keep_alive), messages)
     assert len(ours.transport.writes) == len(theirs.transport.writes) - 1
     assert ours.transport.writes[0].startswith(b"HTTP/1.1 ")
     assert ours.transport.writes[0].endswith(messages[1]["body"] + (b"\r\n" if case == "stream" else b""))
 
 
-async def test_a_marked_head_waits_for_nothing_else() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_marked_head_waits_for_nothing_else(kind: str) -> None:
     """Until the first body part, nothing is written; the head is not lost if that part is empty."""
-    made = cycle(Cycle)
-    await made.send(start(200, [(b"content-type", b"text/event-stream")]))  # type: ignore[arg-type]
-    assert made.transport.writes == []  # type: ignore[attr-defined]
-    await made.send(body(b"", True))  # type: ignore[arg-type]
-    assert made.transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")  # type: ignore[attr-defined]
+    ours = made(kind)
+    await ours.send(start(200, [(b"content-type", b"text/event-stream")]))
+    assert ours.transport.writes == []
+    await ours.send(body(b"", True))
+    assert ours.transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n")
 
 
 @pytest.mark.parametrize(("name", "value"), [(b"x-bad", b"a\x01b"), (b"x-bad", b"a\r\nb"), (b"bad name", b"1")])
 async def test_an_invalid_header_is_refused_as_uvicorn_does(name: bytes, value: bytes) -> None:
-    for kind in (RequestResponseCycle, Cycle):
-        made = cycle(kind)
+    ours: Any
+    for ours in (cycle(RequestResponseCycle), made("cycle"), made("direct")):
         with pytest.raises(RuntimeError, match="Invalid HTTP header"):
-            await made.send(start(200, [JSON, (name, value), (b"content-length", b"2")]))  # type: ignore[arg-type]
-        assert made.response_started  # so uvicorn's run_asgi closes the connection rather than send a second head
-        assert made.transport.writes == []  # type: ignore[attr-defined]
+            await ours.send(start(200, [JSON, (name, value), (b"content-length", b"2")]))
+        assert ours.response_started  # so the connection is closed rather than a second head sent
+        assert ours.transport.writes == []
 
 
-async def test_a_body_longer_than_its_content_length_is_refused() -> None:
-    made = cycle(Cycle)
-    await made.send(start(200, [(b"content-length", b"2")]))  # type: ignore[arg-type]
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_body_longer_than_its_content_length_is_refused(kind: str) -> None:
+    ours = made(kind)
+    await ours.send(start(200, [(b"content-length", b"2")]))
     with pytest.raises(RuntimeError, match="longer than Content-Length"):
-        await made.send(body(b"{}{}"))  # type: ignore[arg-type]
+        await ours.send(body(b"{}{}"))
 
 
 def test_uvicorn_still_starts_each_cycle_where_the_protocol_swaps_its_class() -> None:
@@ -176,7 +196,7 @@ def test_uvicorn_still_starts_each_cycle_where_the_protocol_swaps_its_class() ->
 def test_the_deleted_bytes_are_what_uvicorns_regexes_refuse() -> None:
     from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE
 
-    from gateway.server.protocol import BAD_NAME, BAD_VALUE
+    from gateway.server.direct import BAD_NAME, BAD_VALUE
 
     for code in range(256):
         byte = bytes([code])
@@ -184,14 +204,25 @@ def test_the_deleted_bytes_are_what_uvicorns_regexes_refuse() -> None:
         assert (HEADER_VALUE_RE.search(byte) is not None) == (byte in BAD_VALUE), code
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("value", [b"a\x01b", b"a\rb", b"a\nb", b"\x7f", b"a\r\nx-injected: 1"])
-async def test_a_bad_value_is_refused_after_its_name_is_known(value: bytes) -> None:
+async def test_a_bad_value_is_refused_after_its_name_is_known(value: bytes, kind: str) -> None:
     """A name checked once is not a free pass for its values."""
     for headers in ([JSON, (b"x-known", b"fine")], [JSON, (b"x-known", value)]):
-        made = cycle(Cycle)
-        sent = made.send(start(200, [*headers, (b"content-length", b"2")]))  # type: ignore[arg-type]
+        ours = made(kind)
+        sent = ours.send(start(200, [*headers, (b"content-length", b"2")]))
         if headers[1][1] == b"fine":
             await sent
             continue
         with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
             await sent
+
+
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\r\nx-injected: 1"])
+async def test_a_bad_value_is_refused_when_every_name_is_known(value: bytes) -> None:
+    """The direct cycle's shortest path (no content-length, every name seen before) checks values too."""
+    ours = made("direct")
+    await ours.send(start(200, [JSON, (b"x-known", b"fine")]))
+    ours = made("direct")
+    with pytest.raises(RuntimeError, match="Invalid HTTP header value"):
+        await ours.send(start(200, [JSON, (b"x-known", value)]))

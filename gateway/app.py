@@ -168,7 +168,7 @@ class Gateway:
         runtime = self.runtime
         if runtime is None:
             error = errors.ServiceUnavailableError("gateway is starting")
-            await send_error(cycle.send, error, request_id(cycle.headers))
+            await send_error(cycle.send, error, cycle.request_id)
         else:
             await runtime.pipeline.handle_direct(cycle, endpoint, deployment)
 

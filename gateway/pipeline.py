@@ -98,13 +98,13 @@ class Pipeline:
     async def handle_direct(self, direct: Direct, endpoint: str, path_model: str | None = None) -> None:
         """A request on a proxy route from the HTTP/1.1 protocol (server/direct.py), without the ASGI cycle."""
         headers = direct.headers
-        rid = request.request_id(headers)
+        rid = direct.request_id
         try:
             body = direct.whole()  # the common case: the body came with the head
             if body is None:
                 body = await request.read_body(direct.receive, headers, self.max_body)
             else:
-                body = request.taken(body, headers, self.max_body)
+                body = request.taken(body, direct.encoding, self.max_body)
         except request.ClientGone:
             return
         except errors.GatewayError as exc:
@@ -204,7 +204,7 @@ class Pipeline:
         ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1
         try:
-            await self._respond(ex, send, outcome)
+            await self._respond(ex, send, outcome, direct)
             ended = True
         except asyncio.CancelledError:
             cancelled = task.cancelling() > 0  # this request's task was cancelled, not something it awaited
@@ -293,7 +293,7 @@ class Pipeline:
             await asyncio.sleep(0.01)
         return self.cut
 
-    async def _respond(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
+    async def _respond(self, ex: Exchange, send: Send, outcome: Outcome, direct: Direct | None) -> None:
         answer = await self._answer(ex, outcome)
         head = self._head(ex, answer, outcome)
         taps: list[Tap] = []
@@ -304,7 +304,7 @@ class Pipeline:
         overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
         head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
         head.headers.append((b"x-sluice-overhead-ms", f"{overhead:.3f}".encode()))
-        await self._body(send, ex, head, answer, outcome, tuple(taps))
+        await self._body(send, ex, head, answer, outcome, tuple(taps), direct)
         outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
 
     async def _answer(self, ex: Exchange, outcome: Outcome) -> Opened | Reply:
@@ -397,18 +397,19 @@ class Pipeline:
         answer: Opened | Reply,
         outcome: Outcome,
         taps: tuple[Tap, ...],
+        direct: Direct | None,
     ) -> None:
         """Step 5: relay the upstream's stream, or send a whole body or a plugin's stream."""
         if isinstance(answer, Reply):
             if answer.stream is not None:
                 await self._send_pieces(send, head, answer.stream, outcome, taps)
             else:
-                await self._send_whole(send, head, answer.body, outcome, taps)
+                await self._send_whole(send, head, answer.body, outcome, taps, direct)
             return
         n = ex.json.get("n")
         choices = n if type(n) is int and n > 1 else 1
         if not ex.stream:
-            await self._send_whole(send, head, answer.first, outcome, taps)
+            await self._send_whole(send, head, answer.first, outcome, taps, direct)
             if head.status < 400:
                 outcome.usage = find_usage(answer.first[-2048:])
                 served = ex.served
@@ -448,14 +449,24 @@ class Pipeline:
         outcome.complete = True
 
     async def _send_whole(
-        self, send: Send, head: ResponseHead, body: bytes, outcome: Outcome, taps: tuple[Tap, ...]
+        self,
+        send: Send,
+        head: ResponseHead,
+        body: bytes,
+        outcome: Outcome,
+        taps: tuple[Tap, ...],
+        direct: Direct | None,
     ) -> None:
         head.headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True})
         for tap in taps:
             tap(body)
             tap(b"")
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        if direct is not None:
+            await direct.answer(head.status, head.headers, body)  # the head and body in one write, one call
+        else:
+            start = {"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True}
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
         outcome.complete = True
 
     def _record(self, ex: Exchange, outcome: Outcome) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable, Sequence
 from operator import itemgetter
 
@@ -92,6 +93,8 @@ class Direct:
         headers: list[tuple[bytes, bytes]],
         arrived: float,
         default_headers: list[tuple[bytes, bytes]],
+        request_id: bytes | None,
+        encoding: bytes,
         keep_alive: bool,
         expect_100_continue: bool,
         on_response: Callable[[], None],
@@ -101,6 +104,10 @@ class Direct:
         self.headers = headers  # names lower-cased, in the order sent
         self.arrived = arrived  # perf_counter() when the request's first byte was read
         self.default_headers = default_headers
+        # Noted by the protocol as the head was parsed: the client's own x-request-id (the first usable one, as
+        # request.request_id takes it), and the body's content-encoding (lower-cased; b"": none).
+        self.request_id = request_id.decode() if request_id is not None else f"{random.getrandbits(128):032x}"
+        self.encoding = encoding
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
         self.on_response = on_response
@@ -205,6 +212,33 @@ class Direct:
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()
+
+    async def answer(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole response: what send() makes of a marked start and one last body part, in one call."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if self.response_started:
+            raise RuntimeError("Unexpected ASGI message 'http.response.start' sent, after response already started.")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        head = self._head(status, headers)
+        if self.chunked:
+            out = head + (b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else LAST_CHUNK)
+        elif len(body) != self.length:
+            raise RuntimeError(
+                f"Response content {'longer' if len(body) > self.length else 'shorter'} than Content-Length"
+            )
+        else:
+            self.length = 0
+            out = head + body
+        self.transport.write(out)
+        self.response_complete = True
+        self.wake()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
 
     def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytes:
         pairs = [*self.default_headers, *headers]

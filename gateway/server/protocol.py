@@ -168,6 +168,8 @@ class GatewayProtocol(HttpToolsProtocol):
         self.timer: asyncio.TimerHandle | None = None
         self.over_cap = False  # accepted past what the descriptor limit carries: its requests get 503
         self.arrived = 0.0  # perf_counter() when the current request's first byte was read
+        self.request_id: bytes | None = None  # the current request's own x-request-id, if usable
+        self.encoding = b""  # its content-encoding, lower-cased
         self.idle_since: float | None = None  # loop.time() when the last response ended, until bytes come
         # Where the app serves a proxy route without ASGI: the handler for a path, or None for the ASGI app.
         # Not with what only the ASGI cycle does: uvicorn's access log, a root path, a concurrency limit.
@@ -268,6 +270,21 @@ class GatewayProtocol(HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
+        self.request_id = None
+        self.encoding = b""
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, noting on the way what the direct path would otherwise look for in the list again.
+        name = name.lower()
+        if name == b"expect":
+            if value.lower() == b"100-continue":
+                self.expect_100_continue = True
+        elif name == b"x-request-id":
+            if self.request_id is None and 0 < len(value) <= 128 and value.isascii():
+                self.request_id = value  # the first usable one, as request.request_id takes it
+        elif name == b"content-encoding":
+            self.encoding = value.strip().lower()  # the last one, as request.read_body takes it
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self.over_cap:
@@ -302,6 +319,8 @@ class GatewayProtocol(HttpToolsProtocol):
             self.headers,
             self.arrived,
             self.server_state.default_headers,
+            self.request_id,
+            self.encoding,
             keep_alive,
             self.expect_100_continue,
             self.on_response_complete,

@@ -91,9 +91,9 @@ def expected(headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
     return encoding
 
 
-def taken(body: bytes, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
-    """A body that arrived whole with its head (server/direct.py), checked and decoded as read_body does."""
-    encoding = expected(headers, limit)
+def taken(body: bytes, encoding: bytes, limit: int) -> bytes:
+    """A body that arrived whole with its head (server/direct.py), checked and decoded as read_body does (a
+    content-length over the limit is a body over it: the parser has read all of it)."""
     if len(body) > limit:
         raise errors.PayloadTooLargeError(f"request body larger than {limit} bytes")
     if encoding and encoding != b"identity":

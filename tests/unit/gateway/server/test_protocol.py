@@ -70,7 +70,9 @@ def cycle(kind: type[RequestResponseCycle], method: str = "POST", keep_alive: bo
 def direct(keep_alive: bool = True) -> Any:
     """The proxy routes' cycle (always a POST), on a recording transport."""
     transport: Any = Recording()
-    return Direct(transport, FlowControl(transport), [], 0.0, DEFAULT_HEADERS, keep_alive, False, lambda: None)
+    return Direct(
+        transport, FlowControl(transport), [], 0.0, DEFAULT_HEADERS, None, b"", keep_alive, False, lambda: None
+    )
 
 
 def made(kind: str, method: str = "POST", keep_alive: bool = True) -> Any:
@@ -142,6 +144,27 @@ async def test_the_same_bytes_as_uvicorn(case: str, kind: str) -> None:
         theirs.keep_alive,
         theirs.transport.closed,
     )
+
+
+@pytest.mark.parametrize("case", ["whole body", "error body", "client asked to close", "204", "mixed-case name"])
+async def test_a_whole_answer_in_one_call_is_the_same_bytes(case: str) -> None:
+    """The pipeline's one call for a whole response writes what the two messages would, in one write."""
+    _, keep_alive, messages = CASES[case]
+    theirs = await run(cycle(RequestResponseCycle, "POST", keep_alive), messages)
+    ours = direct(keep_alive)
+    await ours.answer(messages[0]["status"], messages[0]["headers"], messages[1]["body"])
+    assert ours.transport.writes == [b"".join(theirs.transport.writes)]
+    assert (ours.response_complete, ours.keep_alive, ours.transport.closed) == (
+        theirs.response_complete,
+        theirs.keep_alive,
+        theirs.transport.closed,
+    )
+
+
+async def test_a_whole_answer_must_match_its_content_length() -> None:
+    for wrong in (b"{}{}", b"{"):
+        with pytest.raises(RuntimeError, match="than Content-Length"):
+            await direct().answer(200, [(b"content-length", b"2")], wrong)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -37,11 +37,12 @@ from gateway.wire.marks import (
     CHAT_RULES,
     NULL_USAGE,
     NULL_USAGE_SPACED,
-    USAGE,
+    SPACE,
     USAGE_EVENT,
     USAGE_OPEN,
     USAGE_OPEN_SPACED,
     StreamRules,
+    usages,
 )
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 # What the relay does about usage: pass the stream as it is (the client asked for usage), hide the usage
 # the upstream was asked for, or count events because the upstream cannot report it.
 PASS, HIDE, COUNT = 0, 1, 2
-SPACE = b" \t\r\n"
+
 Found = Sequence[tuple[dict[str, Any], bool]]  # usage objects, and whether each had a chunk of its own
 NOTHING: Found = ()
 COMMA = ord(",")
@@ -61,11 +62,11 @@ COMMA = ord(",")
 def find_usage(data: bytes) -> dict[str, Any] | None:
     """The last usage object in `data` (an SSE tail or a whole JSON body), if any."""
     found = None
-    for found in USAGE.finditer(data):  # noqa: B007 - the last match is the one wanted
+    for found in usages(data):  # noqa: B007 - the last one is the one wanted
         pass
     if found is None:
         return None
-    usage = _usage_object(found.group(1))
+    usage = _usage_object(data[found[1] : found[2]])
     if usage is not None and "input_tokens" in usage and "prompt_tokens" not in usage:
         # The Responses API's names; the chat names are added so that every reader of usage sees one shape.
         usage["prompt_tokens"] = usage["input_tokens"]
@@ -176,10 +177,10 @@ def _take_usage(out: bytes, cut: bool) -> tuple[bytes, Found]:
     found = []
     kept = []
     at = 0
-    for match in USAGE.finditer(out):
-        start = out.rfind(b"data:", at, match.start())
-        end = _event_end(out, match.end())
-        usage = _usage_object(match.group(1)) if start >= 0 and end > 0 else None
+    for name, opening, closing in usages(out):
+        start = out.rfind(b"data:", at, name)
+        end = _event_end(out, closing)
+        usage = _usage_object(out[opening:closing]) if start >= 0 and end > 0 else None
         if usage is None:
             continue
         alone = USAGE_EVENT.search(out, start, end) is not None  # `"choices":[]`, before or after it
@@ -190,7 +191,7 @@ def _take_usage(out: bytes, cut: bool) -> tuple[bytes, Found]:
             kept.append(out[at:start])
         else:
             # The member and one comma beside it: `,"usage":{...}` as usage is usually last, else `"usage":{...},`.
-            left, right = match.start(), match.end()
+            left, right = name, closing
             before = left
             while before > start and out[before - 1] in SPACE:
                 before -= 1

@@ -7,6 +7,7 @@ stream by these marks, so they live here, below both.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # The first chunk that carries output: text, a tool call or its arguments. Azure's preamble (empty
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 FIRST_TOKEN = re.compile(
     rb'"(?:content|text|arguments|reasoning_content|reasoning|refusal)":\s*"[^"]|"tool_calls":\s*\[\s*\{'
 )
-USAGE = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
+USAGE_KEY = b'"usage":'
+SPACE = b" \t\r\n"
+BRACE = ord("{")
 DONE = b"data: [DONE]"
 DONE_MARK = re.compile(re.escape(DONE))
 USAGE_EVENT = re.compile(rb'"choices":\s*\[\s*\]')
@@ -48,3 +51,43 @@ RESPONSES_RULES = StreamRules(
 
 def stream_rules(endpoint: str) -> StreamRules:
     return RESPONSES_RULES if endpoint == "responses" else CHAT_RULES
+
+
+def usages(data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:
+    """Each `"usage":{...}` member in `data` from `start`, left to right: (where its name starts, where its
+    object starts, where it ends). Found with bytes.find rather than a regex, whose per-character alternation
+    over the object cost 4 us a whole answer here, 16 us with OpenAI's token-details objects.
+
+    Usage objects hold numbers and objects of numbers, so the braces are counted without reading strings.
+    """
+    size = len(data)
+    at = data.find(USAGE_KEY, start)
+    while at >= 0:
+        opening = at + len(USAGE_KEY)
+        while opening < size and data[opening] in SPACE:
+            opening += 1
+        end = _object_end(data, opening) if opening < size and data[opening] == BRACE else -1
+        if end > 0:
+            yield at, opening, end
+            at = data.find(USAGE_KEY, end)
+        else:
+            at = data.find(USAGE_KEY, opening)
+
+
+def _object_end(data: bytes, opening: int) -> int:
+    """Where the object whose `{` is at `opening` ends (after its `}`), or -1 if it does not end in `data`."""
+    depth = 0
+    at = opening
+    while True:
+        close = data.find(b"}", at)
+        if close < 0:
+            return -1
+        nested = data.find(b"{", at, close)
+        if nested >= 0:
+            depth += 1
+            at = nested + 1
+        else:
+            depth -= 1
+            at = close + 1
+            if depth == 0:
+                return at

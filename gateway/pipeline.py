@@ -210,7 +210,8 @@ class Pipeline:
             cancelled = task.cancelling() > 0  # this request's task was cancelled, not something it awaited
             task.uncancel()
             if outcome.client_gone:
-                outcome.error = outcome.error or "client disconnected"
+                if not outcome.complete:  # a stream whose client left after its end mark is complete
+                    outcome.error = outcome.error or "client disconnected"
                 ended = True
             elif cancelled:
                 # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client

@@ -24,6 +24,7 @@ or for `n > 1` from every event that has one, since a choice that ends early sen
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -279,6 +280,18 @@ async def relay_stream(
     except PoolError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"  # for the log; the client is told less (below)
         broke = exc
+    except asyncio.CancelledError:
+        tail = prev2[-2048:] + prev
+        if rules.end.search(tail) or rules.end.search(prev2):
+            # The client left after the end mark had gone out, before the stream's last (empty) chunk: the
+            # openai SDK closes the connection at [DONE]. It has the whole answer, so the stream is complete
+            # and its usage counts, as if it had ended.
+            outcome.complete = True
+            for tap in taps:
+                tap(b"")
+            account(outcome, tally.usage if scan else find_usage(tail), chunks, events, usage_mode, choices)
+            timing(outcome, started, first_token_at, last_at or time.perf_counter(), choices)
+        raise
     # Usage comes in the last event before [DONE]; upstreams often send the two as separate chunks.
     tail = prev2[-2048:] + prev
     # A Responses stream's terminal event holds the whole response and may span both chunks: look at all of it.
@@ -302,13 +315,23 @@ async def relay_stream(
         for tap in taps:
             tap(b"")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+    account(outcome, tally.usage if scan else find_usage(tail), chunks, events, usage_mode, choices)
+    timing(outcome, started, first_token_at, last_at, choices)
+
+
+def account(outcome: Outcome, usage: dict[str, Any] | None, chunks: int, events: int, mode: int, choices: int) -> None:
+    """A stream's chunks and usage in `outcome`: as reported, or estimated from its events (COUNT)."""
     outcome.chunks = chunks
-    outcome.usage = tally.usage if scan else find_usage(tail)
-    if outcome.usage is None and usage_mode == COUNT and events > 2:
+    outcome.usage = usage
+    if usage is None and mode == COUNT and events > 2:
         # Every event but the finish chunk and [DONE] roughly one token; no total, so nothing is corrected
         # by it (the rate limiter keeps its estimate).
         outcome.usage = {"completion_tokens": events - 2}
         outcome.usage_source = "estimated"
+
+
+def timing(outcome: Outcome, started: float, first_token_at: float, last_at: float, choices: int) -> None:
+    """A stream's TTFT and TPOT in `outcome`, once its usage is known."""
     if first_token_at:
         outcome.ttft_ms = (first_token_at - started) * 1000.0
         tokens = (outcome.usage or {}).get("completion_tokens")

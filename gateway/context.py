@@ -38,6 +38,7 @@ class Exchange:
         "hedge_after_ms",
         "hedged",
         "include_usage",
+        "index",
         "json",
         "labels",
         "method",
@@ -75,7 +76,8 @@ class Exchange:
         # A stored object's path below the endpoint ("/resp_1/cancel", "/resp_1?stream=true"), empty when
         # the request makes something new: it reads or changes what an earlier request made.
         self.resource = ""
-        self.headers = headers  # as the client sent them, names lower-cased
+        self.headers = headers  # as the client sent them, names lower-cased; never changed afterwards
+        self.index: dict[bytes, bytes] | None = None  # name -> first value, made by the first header() call
         self.body = body  # the raw request body, forwarded as is when nothing must change
         self.json = json  # the body parsed once
         self.started = started  # perf_counter() when the request arrived
@@ -107,10 +109,15 @@ class Exchange:
         self.rejected_by: str | None = None  # the plugin that refused the request, if one did
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        """The first value of header `name` (lower case), or None.
+
+        Several stages read headers: one dict made in C on the first read serves them all, where each scan of
+        the list ran a Python loop (reversed, so that the first of repeated headers wins, as a scan finds it).
+        """
+        index = self.index
+        if index is None:
+            index = self.index = dict(reversed(self.headers))
+        return index.get(name)
 
     def mark(self, stage: str, since: float) -> float:
         """Record a stage that started at `since` (perf_counter) and ends now; return now."""

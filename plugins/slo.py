@@ -70,27 +70,42 @@ Config = Configured[Empty, SloModel, Empty]
 class Window:
     """(time, ttft_ms or None, failed) samples of the last `span_s` seconds."""
 
-    __slots__ = ("samples", "span_s")
+    __slots__ = ("failed", "samples", "span_s", "timed")
 
     def __init__(self, span_s: float) -> None:
         self.span_s = span_s
         self.samples: deque[tuple[float, float | None, bool]] = deque(maxlen=MAX_SAMPLES)
+        # Of the samples held: those that failed and those with a TTFT, kept as they come and go, so that an
+        # evaluation scans the window only for TTFTs, and only when there are some (streams give them).
+        self.failed = 0
+        self.timed = 0
 
     def add(self, now: float, ttft_ms: float | None, failed: bool) -> None:
-        self.samples.append((now, ttft_ms, failed))
+        samples = self.samples
+        if len(samples) == MAX_SAMPLES:
+            self._forget(samples[0])  # the append drops it
+        samples.append((now, ttft_ms, failed))
+        if failed:
+            self.failed += 1
+        if ttft_ms is not None:
+            self.timed += 1
+
+    def _forget(self, sample: tuple[float, float | None, bool]) -> None:
+        if sample[2]:
+            self.failed -= 1
+        if sample[1] is not None:
+            self.timed -= 1
 
     def stats(self, now: float) -> tuple[int, float, float]:
         """(samples, p95 TTFT in ms, error rate) over the window."""
         cutoff = now - self.span_s
         samples = self.samples
         while samples and samples[0][0] < cutoff:
-            samples.popleft()
+            self._forget(samples.popleft())
         if not samples:
             return 0, 0.0, 0.0
-        ttfts = [t for _, t, _ in samples if t is not None]
-        failed = sum(1 for _, _, f in samples if f)
-        p95 = percentile(ttfts, 0.95) if ttfts else 0.0
-        return len(samples), p95, failed / len(samples)
+        p95 = percentile([t for _, t, _ in samples if t is not None], 0.95) if self.timed else 0.0
+        return len(samples), p95, self.failed / len(samples)
 
 
 class ModelSlo:

@@ -108,6 +108,9 @@ class Auth:
         # Config keys as presented -> (principal, digest prefix). Only a key whose digest is in the config gets
         # in, so it holds at most one entry per configured key whatever clients send.
         self.presented: dict[bytes, tuple[Principal, str]] = {}
+        # The same keys by their whole `authorization` value as most clients send it (`Bearer KEY`): the
+        # request path then parses no header for them. At most one entry per configured key, as above.
+        self.bearers: dict[bytes, tuple[Principal, str]] = {}
         self.pending: dict[str, asyncio.Future[Principal | None]] = {}
         self.store: Store | None = None
         self.lookups = 0  # Redis lookups made, for metrics and tests
@@ -125,6 +128,18 @@ class Auth:
                 await self._listener
 
     async def on_request(self, ex: Exchange) -> None:
+        authorization = ex.header(b"authorization")
+        if authorization is not None:
+            known = self.bearers.get(authorization)
+            # With an `api-key` header too, the first of the two counts: presented_key decides.
+            if known is not None and ex.header(b"api-key") is None:
+                principal, short = known
+                if principal.models is None:
+                    ex.tenant = principal.tenant
+                    ex.state["auth"] = short
+                    return
+                self._admit(ex, principal, short)
+                return
         key = presented_key(ex.headers)
         if key is None:
             if self.required:
@@ -133,14 +148,12 @@ class Auth:
                 )
             return
         known = self.presented.get(key)
-        if known is not None:
-            principal, short = known
-        else:
+        if known is None:
             hexdigest = digest(key)
             short = hexdigest[:8]
             found = self.configured.get(hexdigest)
             if found is not None:
-                self.presented[key] = (found, short)
+                known = self.presented[key] = (found, short)
             else:
                 found = await self.resolve(hexdigest)
             if found is None:
@@ -148,6 +161,14 @@ class Auth:
                     raise AuthenticationError(f"Incorrect API key provided (sha256:{short}...).")
                 return
             principal = found
+        else:
+            principal, short = known
+            if authorization is not None and authorization == b"Bearer " + key:
+                self.bearers[authorization] = known
+        self._admit(ex, principal, short)
+
+    @staticmethod
+    def _admit(ex: Exchange, principal: Principal, short: str) -> None:
         # A stored object's operation names no model (it is its owner's, read after auth): nothing to allow.
         if principal.models is not None and not ex.resource and ex.model not in principal.models:
             raise PermissionDeniedError(f"tenant {principal.tenant!r} may not use model {ex.model!r}", param="model")

@@ -269,12 +269,18 @@ class Cache:
 
     async def on_request(self, ex: Exchange) -> Reply | None:
         policy = self.policies.get(ex.model)
-        control = ex.header(b"cache-control") or b""
-        if policy is None or b"no-store" in control or not (policy.always or _deterministic(ex)):
+        # `in` on bytes costs about 2k instructions in CPython 3.11 (the needle is first tried as an int, and
+        # the TypeError formatted): the usual request has no Cache-Control to search, and find() tries no int.
+        control = ex.header(b"cache-control")
+        if (
+            policy is None
+            or (control is not None and control.find(b"no-store") >= 0)
+            or not (policy.always or _deterministic(ex))
+        ):
             self._bypass(ex)
             return None
         key = self.key(ex, policy)
-        if b"no-cache" not in control:
+        if control is None or control.find(b"no-cache") < 0:
             entry = self.l1.get(key)
             if entry is None:
                 entry = await self._l2_get(key)
@@ -295,9 +301,11 @@ class Cache:
                 ex.labels[LABEL] = "miss"
                 self.stats["miss"] += 1
                 return None
-        flight = None if key in self.flights else Flight(ex.stream)
-        if flight is not None:
-            self.flights[key] = flight
+        # The loop ended on no flight or a full one: a full one keeps its place, and this request runs alone.
+        if flight is None:
+            flight = self.flights[key] = Flight(ex.stream)
+        else:
+            flight = None
         ex.state["cache"] = Lead(key, policy, flight, store=True)
         ex.labels[LABEL] = "miss"
         self.stats["miss"] += 1
@@ -430,9 +438,10 @@ class Cache:
         else:
             # A whole body is kept as the upstream sent it: no parse, no re-serialisation. A 200 that is
             # not a finished answer shows in its bytes (compact or spaced JSON alike).
-            whole = (body[:1] == b"{" or body.lstrip()[:1] == b"{") and b'"error":' not in body
+            # (find(), not `in`: see on_request.)
+            whole = (body[:1] == b"{" or body.lstrip()[:1] == b"{") and body.find(b'"error":') < 0
             unfinished = ex.endpoint != "embeddings" and (
-                b'"finish_reason":null' in body or b'"finish_reason": null' in body
+                body.find(b'"finish_reason":null') >= 0 or body.find(b'"finish_reason": null') >= 0
             )
             data = body if whole and not unfinished else None
         if data is None or len(data) > self.settings.max_entry_bytes:

@@ -54,6 +54,9 @@ class Plan:
     template: tuple[int, ...] = ()  # the in-process check's arguments, token costs left at 0
     # Per kind that has buckets: its three header names and the indices of its buckets.
     headers: tuple[tuple[tuple[bytes, bytes, bytes], tuple[int, ...]], ...] = ()
+    # When each kind has one bucket (the usual plan): per kind, the limit header whole, the other two names
+    # and where the bucket's remaining units are in a verdict; None when a kind has a tenant and a model bucket.
+    single: tuple[tuple[tuple[bytes, bytes], bytes, bytes, int], ...] | None = None
 
     @classmethod
     def of(cls, buckets: tuple[Bucket, ...]) -> Plan:
@@ -62,6 +65,13 @@ class Plan:
             template += (bucket.limit, PERIOD_MS, 1 if bucket.kind == REQUESTS else 0)
         requests = tuple(i for i, b in enumerate(buckets) if b.kind == REQUESTS)
         tokens = tuple(i for i, b in enumerate(buckets) if b.kind == TOKENS)
+        kinds = tuple((HEADERS[kind], found) for kind, found in ((REQUESTS, requests), (TOKENS, tokens)) if found)
+        single = None
+        if all(len(found) == 1 for _, found in kinds):
+            single = tuple(
+                ((limit, buckets[i].limit_header), remaining, reset, 3 * i + 1)
+                for (limit, remaining, reset), (i,) in kinds
+            )
         return cls(
             buckets,
             keys=tuple(b.key for b in buckets),
@@ -69,7 +79,8 @@ class Plan:
             tokens=tokens,
             token_keys=tuple(buckets[i].key for i in tokens),
             template=tuple(template),
-            headers=tuple((HEADERS[kind], found) for kind, found in ((REQUESTS, requests), (TOKENS, tokens)) if found),
+            headers=kinds,
+            single=single,
         )
 
     def costs(self, reserved: int) -> list[int]:
@@ -173,6 +184,17 @@ def reset_value(ms: int) -> bytes:
 def ratelimit_headers(plan: Plan, verdict: list[int]) -> list[tuple[bytes, bytes]]:
     """OpenAI's x-ratelimit-* headers; with a tenant and a model bucket of a kind, the one with less left."""
     headers: list[tuple[bytes, bytes]] = []
+    single = plan.single
+    if single is not None:  # the request path's: the limit header made once, the other two values cached
+        for limit_header, remaining, reset, at in single:
+            left = verdict[at]
+            ms = verdict[at + 1]
+            headers += (
+                limit_header,
+                (remaining, b"%d" % left if left > 0 else b"0"),
+                (reset, RESETS.get(ms) or reset_value(ms)),
+            )
+        return headers
     for (limit, remaining, reset), indices in plan.headers:
         i = indices[0]
         for j in indices[1:]:

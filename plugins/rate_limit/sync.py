@@ -125,7 +125,28 @@ class Leases:
         for lease, cost in zip(leases, costs, strict=True):
             if lease.free < cost:
                 return None
-        return self._take(route, costs, self.now())
+        # _take, Lease.take and _admitted written out: this is every admission's path while leases last, and
+        # each call saved is about a thousand instructions.
+        now = self.clock() * 1000.0
+        renew = False
+        for lease, cost in zip(leases, costs, strict=True):
+            lease.free -= cost
+            lease.used += cost
+            lease.hits += 1
+            if lease.free < lease.low:
+                renew = True
+        if renew and route.group.inflight is None:
+            self._start(route.group, renew=True)  # in the background: this request is admitted already
+        verdict = [1]
+        for lease in leases:  # after the sync is sent, as it changes what is known (see Lease.outgoing)
+            # Lease.report written out, as above.
+            limit, per_ms = lease.limit, lease.per_ms
+            level = lease.level + (now - lease.level_at) * per_ms
+            known = (limit if level > limit else level) + lease.free - lease.settle
+            remaining = limit if known >= limit else math.floor(known)
+            full = math.ceil((limit - remaining) / per_ms)
+            verdict += (remaining, full if full > 0 else 0, 0)
+        return verdict
 
     async def admit(self, route: Route, costs: Sequence[int]) -> list[int]:
         """The verdict once the leases lack room: refused on what is known, or after a sync, or on credit.

@@ -75,19 +75,11 @@ def usages(data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:
 
 
 def _object_end(data: bytes, opening: int) -> int:
-    """Where the object whose `{` is at `opening` ends (after its `}`), or -1 if it does not end in `data`."""
-    depth = 0
-    at = opening
-    while True:
-        close = data.find(b"}", at)
-        if close < 0:
-            return -1
-        nested = data.find(b"{", at, close)
-        if nested >= 0:
-            depth += 1
-            at = nested + 1
-        else:
-            depth -= 1
-            at = close + 1
-            if depth == 0:
-                return at
+    """Where the object whose `{` is at `opening` ends (after its `}`), or -1 if it does not end in `data`: the
+    first `}` after which as many braces have closed as opened (a flat object: one find and two counts)."""
+    close = data.find(b"}", opening)
+    while close >= 0:
+        if data.count(b"{", opening, close) == data.count(b"}", opening, close + 1):
+            return close + 1
+        close = data.find(b"}", close + 1)
+    return -1

@@ -196,3 +196,29 @@ def test_pipelined_requests_are_answered_whole_and_in_order(gateway: RunningGate
     assert third.startswith(b"HTTP/1.1 404")
     assert b"connection: close" in third
     assert json.loads(body)["error"]["code"] == "model_not_found"
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout_and_a_busy_one_is_not(
+    gateway: RunningGateway,
+) -> None:
+    """uvicorn's keep-alive timeout (5 s), kept by one timer a connection: an idle connection is closed once it
+    has been idle that long, never sooner; one that sends a request every second stays open past it."""
+    keep = request().replace(b"connection: close\r\n", b"")
+    with connect(gateway) as idle, connect(gateway) as busy:
+        idle.sendall(keep)
+        assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+        answered = time.monotonic()
+        idle.setblocking(False)
+        closed_after = None
+        while time.monotonic() - answered < 15.0:
+            busy.sendall(keep)
+            assert busy.recv(65536).startswith(b"HTTP/1.1 200")  # the same socket each time: still open
+            try:
+                if idle.recv(65536) == b"":
+                    closed_after = time.monotonic() - answered
+                    break
+            except BlockingIOError:
+                pass
+            time.sleep(1.0)  # not a wait for a condition: the busy client's pace, under the timeout
+    assert closed_after is not None, "the idle connection was never closed"
+    assert 4.5 <= closed_after < 12.0, closed_after

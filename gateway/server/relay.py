@@ -43,6 +43,7 @@ from gateway.wire.marks import (
     USAGE_OPEN,
     USAGE_OPEN_SPACED,
     StreamRules,
+    last_usage,
     usages,
 )
 
@@ -62,12 +63,10 @@ COMMA = ord(",")
 
 def find_usage(data: bytes) -> dict[str, Any] | None:
     """The last usage object in `data` (an SSE tail or a whole JSON body), if any."""
-    found = None
-    for found in usages(data):  # noqa: B007 - the last one is the one wanted
-        pass
-    if found is None:
+    span = last_usage(data)
+    if span is None:
         return None
-    usage = _usage_object(data[found[1] : found[2]])
+    usage = _usage_object(data[span[0] : span[1]])
     if usage is not None and "input_tokens" in usage and "prompt_tokens" not in usage:
         # The Responses API's names; the chat names are added so that every reader of usage sees one shape.
         usage["prompt_tokens"] = usage["input_tokens"]

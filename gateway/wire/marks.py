@@ -60,18 +60,39 @@ def usages(data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:
 
     Usage objects hold numbers and objects of numbers, so the braces are counted without reading strings.
     """
-    size = len(data)
     at = data.find(USAGE_KEY, start)
     while at >= 0:
-        opening = at + len(USAGE_KEY)
-        while opening < size and data[opening] in SPACE:
-            opening += 1
-        end = _object_end(data, opening) if opening < size and data[opening] == BRACE else -1
-        if end > 0:
-            yield at, opening, end
-            at = data.find(USAGE_KEY, end)
+        span = usage_at(data, at)
+        if span is not None:
+            yield at, span[0], span[1]
+            at = data.find(USAGE_KEY, span[1])
         else:
-            at = data.find(USAGE_KEY, opening)
+            at = data.find(USAGE_KEY, at + len(USAGE_KEY))
+
+
+def last_usage(data: bytes) -> tuple[int, int] | None:
+    """The last usage object in `data` (an answer's or a stream's tail): (where it starts, where it ends)."""
+    at = data.rfind(USAGE_KEY)
+    while at >= 0:
+        span = usage_at(data, at)
+        if span is not None:
+            return span
+        at = data.rfind(USAGE_KEY, 0, at)
+    return None
+
+
+def usage_at(data: bytes, at: int) -> tuple[int, int] | None:
+    """The object of the `"usage":` member at `at`, if one follows it whole: (where it starts, where it ends)."""
+    opening = at + len(USAGE_KEY)
+    size = len(data)
+    while opening < size and data[opening] != BRACE:
+        if data[opening] not in SPACE:
+            return None  # null, or not an object
+        opening += 1
+    if opening >= size:
+        return None
+    end = _object_end(data, opening)
+    return (opening, end) if end > 0 else None
 
 
 def _object_end(data: bytes, opening: int) -> int:

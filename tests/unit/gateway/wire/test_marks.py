@@ -9,7 +9,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.wire.marks import usages
+from gateway.wire.marks import last_usage, usages
 
 # The pattern usages() replaced: a usage object with at most one level of nested objects.
 REGEX = re.compile(rb'"usage":\s*(\{(?:[^{}]|\{[^{}]*\})*\})')
@@ -40,3 +40,16 @@ def test_deeper_objects_null_and_unfinished_usage() -> None:
     assert spans(data) == [b'{"a":{"b":{"c":1}}}']
     assert spans(b'"usage":') == []
     assert spans(b'"usage":   {') == []
+
+
+@given(st.lists(st.tuples(usage_objects, spaces, st.text(max_size=30)), max_size=4))
+def test_the_last_usage_is_the_last_one_found(parts: list[tuple[dict[str, Any], str, str]]) -> None:
+    data = (
+        b"".join(
+            b'data: {"text":%b,"usage":%b%b}\n\n' % (orjson.dumps(text), space.encode(), orjson.dumps(usage))
+            for usage, space, text in parts
+        )
+        + b'data: {"usage":null}\n\n'
+    )
+    found = [(opening, closing) for _, opening, closing in usages(data)]
+    assert last_usage(data) == (found[-1] if found else None)

@@ -28,38 +28,25 @@ class Target:
 
 
 class Exchange:
-    __slots__ = (
-        "attempts",
-        "attributes",
-        "body",
-        "endpoint",
-        "fallback",
-        "headers",
-        "hedge_after_ms",
-        "hedged",
-        "include_usage",
-        "index",
-        "json",
-        "labels",
-        "method",
-        "model",
-        "overhead_ms",
-        "pool_ms",
-        "rejected_by",
-        "request_id",
-        "resource",
-        "route_ms",
-        "routed",
-        "served",
-        "started",
-        "state",
-        "stream",
-        "targets",
-        "tenant",
-        "timings",
-        "traceparent",
-        "upstream_ms",
-    )
+    # What most requests never change, as class attributes (no __slots__, so that they can be): only the
+    # attributes a request sets are stored on it, which saves a dozen stores a request.
+    method = b"POST"
+    # A stored object's path below the endpoint ("/resp_1/cancel", "/resp_1?stream=true"), empty when
+    # the request makes something new: it reads or changes what an earlier request made.
+    resource = ""
+    index: dict[bytes, bytes] | None = None  # name -> first value, made by the first header() call
+    tenant = "anonymous"
+    served: Target | None = None
+    fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge
+    hedge_after_ms: float | None = None  # set by a routing plugin to race the next target
+    hedged = False
+    traceparent: bytes | None = None
+    upstream_ms = 0.0  # time spent waiting on upstreams before the response head
+    pool_ms = 0.0  # of which getting a connection for the attempt that served
+    route_ms = 0.0  # of which choosing endpoints (replicas) within backends
+    routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)
+    overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
+    rejected_by: str | None = None  # the plugin that refused the request, if one did
 
     def __init__(
         self,
@@ -72,12 +59,7 @@ class Exchange:
     ) -> None:
         self.request_id = request_id
         self.endpoint = endpoint  # "chat/completions", "completions", "embeddings" or "responses"
-        self.method = b"POST"
-        # A stored object's path below the endpoint ("/resp_1/cancel", "/resp_1?stream=true"), empty when
-        # the request makes something new: it reads or changes what an earlier request made.
-        self.resource = ""
         self.headers = headers  # as the client sent them, names lower-cased; never changed afterwards
-        self.index: dict[bytes, bytes] | None = None  # name -> first value, made by the first header() call
         self.body = body  # the raw request body, forwarded as is when nothing must change
         self.json = json  # the body parsed once
         self.started = started  # perf_counter() when the request arrived
@@ -89,24 +71,12 @@ class Exchange:
         self.include_usage = endpoint == "responses" or (
             isinstance(options, dict) and options.get("include_usage") is True
         )
-        self.tenant = "anonymous"
         self.targets: list[Target] = []
-        self.served: Target | None = None
-        self.fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge
-        self.hedge_after_ms: float | None = None  # set by a routing plugin to race the next target
-        self.hedged = False
         self.attempts: list[tuple[str, float, int]] = []  # (model, ms, status; 0 = served) per upstream try
-        self.traceparent: bytes | None = None
         self.timings: list[tuple[str, float]] = []  # (stage, ms), in the order the stages ran
-        self.upstream_ms = 0.0  # time spent waiting on upstreams before the response head
-        self.pool_ms = 0.0  # of which getting a connection for the attempt that served
-        self.route_ms = 0.0  # of which choosing endpoints (replicas) within backends
-        self.routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)
-        self.overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
         self.state: dict[str, Any] = {}
         self.labels: dict[str, str] = {}  # metric label -> value, for the labels plugins declare
         self.attributes: dict[str, str | int | float | bool] = {}  # extra span attributes set by plugins
-        self.rejected_by: str | None = None  # the plugin that refused the request, if one did
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header `name` (lower case), or None.

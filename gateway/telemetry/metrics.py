@@ -31,7 +31,9 @@ from __future__ import annotations
 import bisect
 import os
 import platform
+from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -85,82 +87,108 @@ class TenantLabels:
         return label
 
 
+HISTOGRAMS = ("duration", "ttft", "tpot", "upstream", "overhead")  # the Metrics attributes of the request series
+MAX_KEYS = 4096  # exchange keys (raw tenant, model, target, stream) remembered; past them labels are made again
+
+
+class Pending:
+    """Observations in seconds not yet added to their histograms: one flat list per histogram."""
+
+    __slots__ = ("duration", "overhead", "tpot", "ttft", "upstream")
+
+    def __init__(self) -> None:
+        self.duration: list[float] = []
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.upstream: list[float] = []
+        self.overhead: list[float] = []
+
+
 class Series:
     """The labelled children of one (tenant, model, served_model, backend, stream, cache) tuple.
 
-    Children are made on first use, so that a cache hit, say, has no empty upstream or token series.
+    Children are made on first use, so that a cache hit, say, has no empty upstream or token series. A request's
+    values are appended to plain lists and integers here by `Metrics.record` (its only per-request work), and
+    added to the children by `flush`.
     """
 
-    __slots__ = ("children", "held", "labels", "metrics", "observed", "statuses", "token_counts")
+    __slots__ = (
+        "children",
+        "held",
+        "input_tokens",
+        "labels",
+        "metrics",
+        "output_tokens",
+        "statuses",
+        "traced",
+        "waiting",
+    )
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
         self.metrics = metrics
         self.labels = labels
-        self.children: dict[str, Any] = {}
-        self.observed: dict[str, list[float]] = {}  # histogram -> values not yet added to its child
-        self.statuses: dict[str, int] = {}  # status -> requests not yet counted
-        self.token_counts: dict[str, int] = {}  # direction -> tokens not yet counted
+        self.children: dict[str | int, Any] = {}  # histogram name, status code or token direction -> child
+        self.waiting = Pending()  # values of requests without an exemplar, added in batches
+        self.traced = Pending()  # the values of one request with an exemplar: on their buckets as they come
+        self.statuses: dict[int, int] = {}  # status (0: the client left) -> requests not yet counted
+        self.input_tokens = 0  # tokens not yet counted
+        self.output_tokens = 0
         self.held = 0  # requests whose values wait here
 
-    def observe(self, name: str, seconds: float, exemplar: dict[str, str] | None) -> None:
-        if exemplar is not None or not self.metrics.batched:  # an exemplar goes on its bucket as it comes
-            self._child(name).observe(seconds, exemplar)
-            return
-        values = self.observed.get(name)
-        if values is None:
-            values = self.observed[name] = []
-        values.append(seconds)
-
-    def count(self, status: str) -> None:
-        self.statuses[status] = self.statuses.get(status, 0) + 1
-
-    def tokens(self, direction: str, count: int) -> None:
-        self.token_counts[direction] = self.token_counts.get(direction, 0) + count
-
-    def done(self) -> None:
-        """One request's values are in: add them all when enough wait (or at once, unbatched)."""
-        self.held += 1
-        if self.held >= BATCH or not self.metrics.batched:
-            self.flush()
+    def observe_traced(self, exemplar: dict[str, str]) -> None:
+        """The values of one request with an exemplar (its trace id) put on their buckets with it, at once."""
+        traced = self.traced
+        for name in HISTOGRAMS:
+            values: list[float] = getattr(traced, name)
+            if values:
+                child = self._child(name)
+                for value in values:
+                    child.observe(value, exemplar)
+                values.clear()
 
     def flush(self) -> None:
         """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter."""
         self.held = 0
-        for name, values in self.observed.items():
+        waiting = self.waiting
+        for name in HISTOGRAMS:
+            values: list[float] = getattr(waiting, name)
             if values:
-                child = self._child(name)
-                bounds = child._upper_bounds  # the last is +Inf: every value has a bucket
-                buckets = child._buckets
-                child._sum.inc(sum(values))
-                counts: dict[int, int] = {}
-                for value in values:  # a value's bucket is the first bound at or above it, as observe() finds it
-                    if value != value:  # NaN: observe() puts it in no bucket
-                        continue
-                    at = bisect.bisect_left(bounds, value)
-                    counts[at] = counts.get(at, 0) + 1
-                for at, n in counts.items():
-                    buckets[at].inc(n)
+                add(self._child(name), values)
                 values.clear()
+        children = self.children
         if self.statuses:
             for status, n in self.statuses.items():
-                child = self.children.get(status)
+                child = children.get(status)
                 if child is None:
-                    child = self.children[status] = self.metrics.requests.labels(*self.labels, status)
+                    label = str(status) if status else CLIENT_CLOSED
+                    child = children[status] = self.metrics.requests.labels(*self.labels, label)
                 child.inc(n)
             self.statuses.clear()
-        if self.token_counts:
-            for direction, n in self.token_counts.items():
-                child = self.children.get(direction)
+        for direction, n in (("input", self.input_tokens), ("output", self.output_tokens)):
+            if n:
+                child = children.get(direction)
                 if child is None:
-                    child = self.children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
+                    child = children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
                 child.inc(n)
-            self.token_counts.clear()
+        self.input_tokens = self.output_tokens = 0
 
     def _child(self, name: str) -> Any:
         child = self.children.get(name)
         if child is None:
             child = self.children[name] = getattr(self.metrics, name).labels(*self.labels)
         return child
+
+
+def add(child: Any, values: list[float]) -> None:
+    """Values into a histogram child as its observe() would put them, with its sum once and each bucket's count
+    once; the bucket of each value (the first bound at or above it) is found and counted in C."""
+    total = sum(values)
+    child._sum.inc(total)
+    if total != total:  # a NaN among them (or both infinities): observe() puts NaN in no bucket
+        values = [value for value in values if value == value]
+    buckets = child._buckets  # the last bound is +Inf: every other value has a bucket
+    for at, n in Tally(map(partial(bisect.bisect_left, child._upper_bounds), values)).items():
+        buckets[at].inc(n)
 
 
 class Metrics:
@@ -288,7 +316,9 @@ class Metrics:
         self.backends = dict(backends or {})
         self.exhausted_seen = {name: 0 for name in self.backends}
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
-        self.series: dict[tuple[str, ...], Series] = {}
+        self.series: dict[tuple[str, ...], Series] = {}  # by labels
+        self.by_key: dict[tuple[Any, ...], Series] = {}  # by what record() reads first: see _series
+        self.batch = BATCH if self.batched else 1  # requests a series holds before its values are added
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
         self.opened = {True: 0, False: 0}  # batched: requests in flight, set on the gauge when it is read
         self.store = store
@@ -309,50 +339,80 @@ class Metrics:
     # -- the completion task ------------------------------------------------------------------------------
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
+        stream = ex.stream
         if self.batched:
-            self.opened[ex.stream] -= 1
+            self.opened[stream] -= 1
         else:
-            self.open[ex.stream].dec()
+            self.open[stream].dec()
         served = ex.served
-        tenant = self.tenant_label(ex.tenant)
+        key: tuple[Any, ...] = (
+            (ex.tenant, ex.model, served.model, served.backend, stream)
+            if served is not None
+            else (ex.tenant, ex.model, "", "", stream)
+        )
+        if self.extra:
+            got = ex.labels
+            key += tuple([got.get(name, default) for name, default in self.extra.items()])
+        series = self.by_key.get(key)
+        if series is None:
+            series = self._series(ex, key)
+        status = outcome.status
+        statuses = series.statuses
+        statuses[status] = statuses.get(status, 0) + 1
+        # Exemplars only where they can be shown: the multiprocess files do not keep them.
+        values = series.traced if trace_id is not None and self.exemplars else series.waiting
+        values.duration.append(total_ms / 1000.0)
+        if status < 400:  # an error body is no first token
+            if outcome.ttft_ms is not None:
+                values.ttft.append(outcome.ttft_ms / 1000.0)
+            if outcome.tpot_ms is not None:
+                values.tpot.append(outcome.tpot_ms / 1000.0)
+        if ex.attempts:
+            values.upstream.append(ex.upstream_ms / 1000.0)
+        if ex.overhead_ms > 0:
+            values.overhead.append(ex.overhead_ms / 1000.0)
+        usage = outcome.usage
+        if usage is not None:
+            tokens = usage.get("prompt_tokens")
+            if isinstance(tokens, int) and tokens > 0:
+                series.input_tokens += tokens
+            tokens = usage.get("completion_tokens")
+            if isinstance(tokens, int) and tokens > 0:
+                series.output_tokens += tokens
+        if trace_id is not None and values is series.traced:
+            series.observe_traced({"trace_id": trace_id})
+        series.held += 1
+        if series.held >= self.batch:
+            series.flush()
+        if ex.fallback is not None:
+            self.fallbacks.labels(ex.model, series.labels[2], ex.fallback).inc()
+        if ex.rejected_by is not None:
+            self.rejections.labels(series.labels[0], ex.model, ex.rejected_by, str(status)).inc()
+        store = self.store
+        if store is not None and store.failures != self.store_seen:
+            self.sync()
+
+    def _series(self, ex: Exchange, key: tuple[Any, ...]) -> Series:
+        """The series of an exchange key first seen: its labels made (the tenant's bounded), and remembered.
+
+        A raw tenant's label never changes once given (tenants are only ever added to the bounded set), so
+        the key may stand for the labels; keys stop being remembered past MAX_KEYS (tenants without bound).
+        """
+        served = ex.served
         labels: tuple[str, ...] = (
-            tenant,
+            self.tenant_label(ex.tenant),
             ex.model,
             served.model if served is not None else "",
             served.backend if served is not None else "",
             "true" if ex.stream else "false",
+            *key[5:],  # the plugins' labels
         )
-        if self.extra:
-            got = ex.labels
-            labels += tuple(got.get(name, default) for name, default in self.extra.items())
         series = self.series.get(labels)
         if series is None:
             series = self.series[labels] = Series(self, labels)
-        series.count(str(outcome.status) if outcome.status else CLIENT_CLOSED)
-        # Exemplars only where they can be shown: the multiprocess files do not keep them.
-        exemplar = {"trace_id": trace_id} if trace_id is not None and self.exemplars else None
-        series.observe("duration", total_ms / 1000.0, exemplar)
-        if outcome.status < 400:  # an error body is no first token
-            if outcome.ttft_ms is not None:
-                series.observe("ttft", outcome.ttft_ms / 1000.0, exemplar)
-            if outcome.tpot_ms is not None:
-                series.observe("tpot", outcome.tpot_ms / 1000.0, exemplar)
-        if ex.attempts:
-            series.observe("upstream", ex.upstream_ms / 1000.0, exemplar)
-        if ex.overhead_ms > 0:
-            series.observe("overhead", ex.overhead_ms / 1000.0, exemplar)
-        usage = outcome.usage
-        if usage is not None:
-            for field, direction in (("prompt_tokens", "input"), ("completion_tokens", "output")):
-                tokens = usage.get(field)
-                if isinstance(tokens, int) and tokens > 0:
-                    series.tokens(direction, tokens)
-        series.done()
-        if ex.fallback is not None:
-            self.fallbacks.labels(ex.model, labels[2], ex.fallback).inc()
-        if ex.rejected_by is not None:
-            self.rejections.labels(tenant, ex.model, ex.rejected_by, str(outcome.status)).inc()
-        self.sync()
+        if len(self.by_key) < MAX_KEYS:
+            self.by_key[key] = series
+        return series
 
     def count_spans(self, result: str, count: int) -> None:
         """Called from the export thread too: prometheus_client's values are locked."""

@@ -91,6 +91,16 @@ HISTOGRAMS = ("duration", "ttft", "tpot", "upstream", "overhead")  # the Metrics
 MAX_KEYS = 4096  # exchange keys (raw tenant, model, target, stream) remembered; past them labels are made again
 
 
+class NotServed:
+    """The target of an exchange no backend served (a plugin's answer, an error): empty labels."""
+
+    model = ""
+    backend = ""
+
+
+NOT_SERVED = NotServed()
+
+
 class Pending:
     """Observations in seconds not yet added to their histograms: one flat list per histogram."""
 
@@ -114,12 +124,12 @@ class Series:
 
     __slots__ = (
         "children",
-        "held",
         "input_tokens",
         "labels",
         "metrics",
         "output_tokens",
         "statuses",
+        "stream",
         "traced",
         "waiting",
     )
@@ -130,10 +140,16 @@ class Series:
         self.children: dict[str | int, Any] = {}  # histogram name, status code or token direction -> child
         self.waiting = Pending()  # values of requests without an exemplar, added in batches
         self.traced = Pending()  # the values of one request with an exemplar: on their buckets as they come
-        self.statuses: dict[int, int] = {}  # status (0: the client left) -> requests not yet counted
+        self.stream = labels[4] == "true"
+        # The status (0: the client left) of every request whose values wait here, counted at flush.
+        self.statuses: list[int] = []
         self.input_tokens = 0  # tokens not yet counted
         self.output_tokens = 0
-        self.held = 0  # requests whose values wait here
+
+    @property
+    def held(self) -> int:
+        """Requests whose values wait here."""
+        return len(self.statuses)
 
     def observe_traced(self, exemplar: dict[str, str]) -> None:
         """The values of one request with an exemplar (its trace id) put on their buckets with it, at once."""
@@ -147,8 +163,8 @@ class Series:
                 values.clear()
 
     def flush(self) -> None:
-        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter."""
-        self.held = 0
+        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
+        and the requests out of flight."""
         waiting = self.waiting
         for name in HISTOGRAMS:
             values: list[float] = getattr(waiting, name)
@@ -156,14 +172,16 @@ class Series:
                 add(self._child(name), values)
                 values.clear()
         children = self.children
-        if self.statuses:
-            for status, n in self.statuses.items():
+        statuses = self.statuses
+        if statuses:
+            for status, n in Tally(statuses).items():
                 child = children.get(status)
                 if child is None:
                     label = str(status) if status else CLIENT_CLOSED
                     child = children[status] = self.metrics.requests.labels(*self.labels, label)
                 child.inc(n)
-            self.statuses.clear()
+            self.metrics.ended(self.stream, len(statuses))
+            statuses.clear()
         for direction, n in (("input", self.input_tokens), ("output", self.output_tokens)):
             if n:
                 child = children.get(direction)
@@ -320,7 +338,8 @@ class Metrics:
         self.by_key: dict[tuple[Any, ...], Series] = {}  # by what record() reads first: see _series
         self.batch = BATCH if self.batched else 1  # requests a series holds before its values are added
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
-        self.opened = {True: 0, False: 0}  # batched: requests in flight, set on the gauge when it is read
+        # Batched: requests begun and not yet in a flushed series, set on the gauge when it is read.
+        self.opened = {True: 0, False: 0}
         self.store = store
         self.store_seen = 0
         self.span_counters: dict[str, Any] = {}
@@ -339,17 +358,9 @@ class Metrics:
     # -- the completion task ------------------------------------------------------------------------------
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
-        stream = ex.stream
-        if self.batched:
-            self.opened[stream] -= 1
-        else:
-            self.open[stream].dec()
-        served = ex.served
-        key: tuple[Any, ...] = (
-            (ex.tenant, ex.model, served.model, served.backend, stream)
-            if served is not None
-            else (ex.tenant, ex.model, "", "", stream)
-        )
+        """One request's values into its series; they leave flight (the gauge) when the series is flushed."""
+        served = ex.served or NOT_SERVED
+        key: tuple[Any, ...] = (ex.tenant, ex.model, served.model, served.backend, ex.stream)
         if self.extra:
             got = ex.labels
             key += tuple([got.get(name, default) for name, default in self.extra.items()])
@@ -357,10 +368,8 @@ class Metrics:
         if series is None:
             series = self._series(ex, key)
         status = outcome.status
-        statuses = series.statuses
-        statuses[status] = statuses.get(status, 0) + 1
         # Exemplars only where they can be shown: the multiprocess files do not keep them.
-        values = series.traced if trace_id is not None and self.exemplars else series.waiting
+        values = series.waiting if trace_id is None or not self.exemplars else series.traced
         values.duration.append(total_ms / 1000.0)
         if status < 400:  # an error body is no first token
             if outcome.ttft_ms is not None:
@@ -381,8 +390,9 @@ class Metrics:
                 series.output_tokens += tokens
         if trace_id is not None and values is series.traced:
             series.observe_traced({"trace_id": trace_id})
-        series.held += 1
-        if series.held >= self.batch:
+        statuses = series.statuses
+        statuses.append(status)
+        if len(statuses) >= self.batch:
             series.flush()
         if ex.fallback is not None:
             self.fallbacks.labels(ex.model, series.labels[2], ex.fallback).inc()
@@ -391,6 +401,13 @@ class Metrics:
         store = self.store
         if store is not None and store.failures != self.store_seen:
             self.sync()
+
+    def ended(self, stream: bool, count: int) -> None:
+        """`count` requests recorded (their series flushed): out of flight."""
+        if self.batched:
+            self.opened[stream] -= count
+        else:
+            self.open[stream].dec(count)
 
     def _series(self, ex: Exchange, key: tuple[Any, ...]) -> Series:
         """The series of an exchange key first seen: its labels made (the tenant's bounded), and remembered.
@@ -445,12 +462,12 @@ class Metrics:
     def flush(self) -> None:
         """Every request's values that wait in a series added to the Prometheus children, and the gauge of
         requests in flight set."""
-        if self.batched:
+        for series in self.series.values():
+            if series.statuses:
+                series.flush()
+        if self.batched:  # after the flushes, which take the requests they count out of flight
             for stream, count in self.opened.items():
                 self.open[stream].set(count)
-        for series in self.series.values():
-            if series.held:
-                series.flush()
 
     def refresh(self) -> None:
         """The series read at scrape time from elsewhere (Redis failures, backend health): nothing per request."""

@@ -34,6 +34,7 @@ import platform
 from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
 from functools import partial
+from operator import is_not, lt
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -99,96 +100,81 @@ class NotServed:
 
 
 NOT_SERVED = NotServed()
+NO_USAGE: dict[str, Any] = {}  # never changed
 
 
-class Pending:
-    """Observations in seconds not yet added to their histograms: one flat list per histogram."""
-
-    __slots__ = ("duration", "overhead", "tpot", "ttft", "upstream")
-
-    def __init__(self) -> None:
-        self.duration: list[float] = []
-        self.ttft: list[float] = []
-        self.tpot: list[float] = []
-        self.upstream: list[float] = []
-        self.overhead: list[float] = []
+# One request's values as record() keeps them: (status, duration, ttft, tpot, upstream, overhead in ms, input
+# tokens, output tokens). A histogram's None is no observation (overhead: 0 or less is none); token counts are
+# as the usage reported them, if at all, and only positive integers count.
+Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any]
+SECONDS = (1000.0).__rtruediv__  # ms -> ms / 1000.0, in C
+KEEP = (  # per histogram of HISTOGRAMS: which of a column's values it observes, tested in C
+    partial(is_not, None),
+    partial(is_not, None),
+    partial(is_not, None),
+    partial(is_not, None),
+    partial(lt, 0),  # 0 < overhead: a head was sent
+)
 
 
 class Series:
     """The labelled children of one (tenant, model, served_model, backend, stream, cache) tuple.
 
     Children are made on first use, so that a cache hit, say, has no empty upstream or token series. A request's
-    values are appended to plain lists and integers here by `Metrics.record` (its only per-request work), and
-    added to the children by `flush`.
+    values wait here as one tuple (its row), appended by `Metrics.record`, the only per-request work; `flush`
+    adds them all to the children, filtering, converting and bucketing each column in C.
     """
 
-    __slots__ = (
-        "children",
-        "input_tokens",
-        "labels",
-        "metrics",
-        "output_tokens",
-        "statuses",
-        "stream",
-        "traced",
-        "waiting",
-    )
+    __slots__ = ("children", "labels", "metrics", "rows", "stream")
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
         self.metrics = metrics
         self.labels = labels
         self.children: dict[str | int, Any] = {}  # histogram name, status code or token direction -> child
-        self.waiting = Pending()  # values of requests without an exemplar, added in batches
-        self.traced = Pending()  # the values of one request with an exemplar: on their buckets as they come
         self.stream = labels[4] == "true"
-        # The status (0: the client left) of every request whose values wait here, counted at flush.
-        self.statuses: list[int] = []
-        self.input_tokens = 0  # tokens not yet counted
-        self.output_tokens = 0
+        self.rows: list[Row] = []  # one per request whose values wait here
 
     @property
     def held(self) -> int:
         """Requests whose values wait here."""
-        return len(self.statuses)
+        return len(self.rows)
 
-    def observe_traced(self, exemplar: dict[str, str]) -> None:
-        """The values of one request with an exemplar (its trace id) put on their buckets with it, at once."""
-        traced = self.traced
-        for name in HISTOGRAMS:
-            values: list[float] = getattr(traced, name)
-            if values:
-                child = self._child(name)
-                for value in values:
-                    child.observe(value, exemplar)
-                values.clear()
+    def observe_traced(self, row: Row, exemplar: dict[str, str]) -> Row:
+        """A request with an exemplar (its trace id): its observations put on their buckets with it at once, and
+        the rest of its row (status, tokens) returned to wait."""
+        status, duration, ttft, tpot, upstream, overhead, prompt, completion = row
+        for name, keep, ms in zip(HISTOGRAMS, KEEP, (duration, ttft, tpot, upstream, overhead), strict=True):
+            if ms is not None and keep(ms):
+                self._child(name).observe(ms / 1000.0, exemplar)
+        return (status, None, None, None, None, 0.0, prompt, completion)
 
     def flush(self) -> None:
         """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
         and the requests out of flight."""
-        waiting = self.waiting
-        for name in HISTOGRAMS:
-            values: list[float] = getattr(waiting, name)
+        rows = self.rows
+        if not rows:
+            return
+        statuses, *observed, prompts, completions = zip(*rows, strict=True)
+        rows.clear()
+        for name, keep, column in zip(HISTOGRAMS, KEEP, observed, strict=True):
+            values = list(map(SECONDS, filter(keep, column)))
             if values:
                 add(self._child(name), values)
-                values.clear()
         children = self.children
-        statuses = self.statuses
-        if statuses:
-            for status, n in Tally(statuses).items():
-                child = children.get(status)
-                if child is None:
-                    label = str(status) if status else CLIENT_CLOSED
-                    child = children[status] = self.metrics.requests.labels(*self.labels, label)
-                child.inc(n)
-            self.metrics.ended(self.stream, len(statuses))
-            statuses.clear()
-        for direction, n in (("input", self.input_tokens), ("output", self.output_tokens)):
+        for status, n in Tally(statuses).items():
+            child = children.get(status)
+            if child is None:
+                label = str(status) if status else CLIENT_CLOSED
+                child = children[status] = self.metrics.requests.labels(*self.labels, label)
+            child.inc(n)
+        for direction, column in (("input", prompts), ("output", completions)):
+            n = tokens(column)
             if n:
                 child = children.get(direction)
                 if child is None:
                     child = children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
                 child.inc(n)
-        self.input_tokens = self.output_tokens = 0
+        self.metrics.ended(self.stream, len(statuses))
 
     def _child(self, name: str) -> Any:
         child = self.children.get(name)
@@ -207,6 +193,16 @@ def add(child: Any, values: list[float]) -> None:
     buckets = child._buckets  # the last bound is +Inf: every other value has a bucket
     for at, n in Tally(map(partial(bisect.bisect_left, child._upper_bounds), values)).items():
         buckets[at].inc(n)
+
+
+def tokens(column: tuple[Any, ...]) -> int:
+    """The sum of a column's token counts that are positive integers (None, 0 and anything else count none)."""
+    counts = list(filter(None, column))
+    if not counts:
+        return 0
+    if set(map(type, counts)) == {int} and min(counts) > 0:  # as upstreams report them: summed in C
+        return sum(counts)
+    return sum(n for n in counts if isinstance(n, int) and n > 0)
 
 
 class Metrics:
@@ -368,31 +364,24 @@ class Metrics:
         if series is None:
             series = self._series(ex, key)
         status = outcome.status
+        usage = outcome.usage or NO_USAGE
+        ok = status < 400  # an error body is no first token
+        row: Row = (
+            status,
+            total_ms,
+            outcome.ttft_ms if ok else None,
+            outcome.tpot_ms if ok else None,
+            ex.upstream_ms if ex.attempts else None,
+            ex.overhead_ms,
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+        )
         # Exemplars only where they can be shown: the multiprocess files do not keep them.
-        values = series.waiting if trace_id is None or not self.exemplars else series.traced
-        values.duration.append(total_ms / 1000.0)
-        if status < 400:  # an error body is no first token
-            if outcome.ttft_ms is not None:
-                values.ttft.append(outcome.ttft_ms / 1000.0)
-            if outcome.tpot_ms is not None:
-                values.tpot.append(outcome.tpot_ms / 1000.0)
-        if ex.attempts:
-            values.upstream.append(ex.upstream_ms / 1000.0)
-        if ex.overhead_ms > 0:
-            values.overhead.append(ex.overhead_ms / 1000.0)
-        usage = outcome.usage
-        if usage is not None:
-            tokens = usage.get("prompt_tokens")
-            if isinstance(tokens, int) and tokens > 0:
-                series.input_tokens += tokens
-            tokens = usage.get("completion_tokens")
-            if isinstance(tokens, int) and tokens > 0:
-                series.output_tokens += tokens
-        if trace_id is not None and values is series.traced:
-            series.observe_traced({"trace_id": trace_id})
-        statuses = series.statuses
-        statuses.append(status)
-        if len(statuses) >= self.batch:
+        if trace_id is not None and self.exemplars:
+            row = series.observe_traced(row, {"trace_id": trace_id})
+        rows = series.rows
+        rows.append(row)
+        if len(rows) >= self.batch:
             series.flush()
         if ex.fallback is not None:
             self.fallbacks.labels(ex.model, series.labels[2], ex.fallback).inc()
@@ -463,8 +452,7 @@ class Metrics:
         """Every request's values that wait in a series added to the Prometheus children, and the gauge of
         requests in flight set."""
         for series in self.series.values():
-            if series.statuses:
-                series.flush()
+            series.flush()
         if self.batched:  # after the flushes, which take the requests they count out of flight
             for stream, count in self.opened.items():
                 self.open[stream].set(count)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -105,7 +106,11 @@ def request(i: int, value: float, upstreams: Upstreams) -> tuple[Exchange, Outco
         ex.upstream_ms = value * 2000.0
     ex.overhead_ms = value * 1000.0
     status = (200, 200, 503, 0)[i % 4]
-    usage = {"prompt_tokens": i, "completion_tokens": i % 3} if i % 7 else None
+    # Mostly counts, but whatever an upstream's usage may hold: only positive integers are tokens.
+    odd: list[Any] = [None, 0, -3, 2.5, True, "7", 10**20]
+    usage = {"prompt_tokens": i, "completion_tokens": i % 3 if i % 4 else odd[i % 7]} if i % 7 else None
+    if i % 11 == 3:
+        usage = {"prompt_tokens": odd[i % 7]}
     ttft = value * 500.0 if stream else None
     outcome = Outcome(status=status, ttft_ms=ttft, tpot_ms=ttft, total_ms=value * 3000.0, usage=usage)
     return ex, outcome, (f"{i:032x}" if i % 6 == 1 else None)

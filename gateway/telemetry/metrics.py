@@ -31,7 +31,10 @@ from __future__ import annotations
 import bisect
 import os
 import platform
+from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
+from functools import partial
+from operator import is_not, lt
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -85,82 +88,121 @@ class TenantLabels:
         return label
 
 
+HISTOGRAMS = ("duration", "ttft", "tpot", "upstream", "overhead")  # the Metrics attributes of the request series
+MAX_KEYS = 4096  # exchange keys (raw tenant, model, target, stream) remembered; past them labels are made again
+
+
+class NotServed:
+    """The target of an exchange no backend served (a plugin's answer, an error): empty labels."""
+
+    model = ""
+    backend = ""
+
+
+NOT_SERVED = NotServed()
+NO_USAGE: dict[str, Any] = {}  # never changed
+
+
+# One request's values as record() keeps them: (status, duration, ttft, tpot, upstream, overhead in ms, input
+# tokens, output tokens). A histogram's None is no observation (overhead: 0 or less is none); token counts are
+# as the usage reported them, if at all, and only positive integers count.
+Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any]
+SECONDS = (1000.0).__rtruediv__  # ms -> ms / 1000.0, in C
+KEEP = (  # per histogram of HISTOGRAMS: which of a column's values it observes, tested in C
+    partial(is_not, None),
+    partial(is_not, None),
+    partial(is_not, None),
+    partial(is_not, None),
+    partial(lt, 0),  # 0 < overhead: a head was sent
+)
+
+
 class Series:
     """The labelled children of one (tenant, model, served_model, backend, stream, cache) tuple.
 
-    Children are made on first use, so that a cache hit, say, has no empty upstream or token series.
+    Children are made on first use, so that a cache hit, say, has no empty upstream or token series. A request's
+    values wait here as one tuple (its row), appended by `Metrics.record`, the only per-request work; `flush`
+    adds them all to the children, filtering, converting and bucketing each column in C.
     """
 
-    __slots__ = ("children", "held", "labels", "metrics", "observed", "statuses", "token_counts")
+    __slots__ = ("children", "labels", "metrics", "rows", "stream")
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
         self.metrics = metrics
         self.labels = labels
-        self.children: dict[str, Any] = {}
-        self.observed: dict[str, list[float]] = {}  # histogram -> values not yet added to its child
-        self.statuses: dict[str, int] = {}  # status -> requests not yet counted
-        self.token_counts: dict[str, int] = {}  # direction -> tokens not yet counted
-        self.held = 0  # requests whose values wait here
+        self.children: dict[str | int, Any] = {}  # histogram name, status code or token direction -> child
+        self.stream = labels[4] == "true"
+        self.rows: list[Row] = []  # one per request whose values wait here
 
-    def observe(self, name: str, seconds: float, exemplar: dict[str, str] | None) -> None:
-        if exemplar is not None or not self.metrics.batched:  # an exemplar goes on its bucket as it comes
-            self._child(name).observe(seconds, exemplar)
-            return
-        values = self.observed.get(name)
-        if values is None:
-            values = self.observed[name] = []
-        values.append(seconds)
+    @property
+    def held(self) -> int:
+        """Requests whose values wait here."""
+        return len(self.rows)
 
-    def count(self, status: str) -> None:
-        self.statuses[status] = self.statuses.get(status, 0) + 1
-
-    def tokens(self, direction: str, count: int) -> None:
-        self.token_counts[direction] = self.token_counts.get(direction, 0) + count
-
-    def done(self) -> None:
-        """One request's values are in: add them all when enough wait (or at once, unbatched)."""
-        self.held += 1
-        if self.held >= BATCH or not self.metrics.batched:
-            self.flush()
+    def observe_traced(self, row: Row, exemplar: dict[str, str]) -> Row:
+        """A request with an exemplar (its trace id): its observations put on their buckets with it at once, and
+        the rest of its row (status, tokens) returned to wait."""
+        status, duration, ttft, tpot, upstream, overhead, prompt, completion = row
+        for name, keep, ms in zip(HISTOGRAMS, KEEP, (duration, ttft, tpot, upstream, overhead), strict=True):
+            if ms is not None and keep(ms):
+                self._child(name).observe(ms / 1000.0, exemplar)
+        return (status, None, None, None, None, 0.0, prompt, completion)
 
     def flush(self) -> None:
-        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter."""
-        self.held = 0
-        for name, values in self.observed.items():
+        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
+        and the requests out of flight."""
+        rows = self.rows
+        if not rows:
+            return
+        statuses, *observed, prompts, completions = zip(*rows, strict=True)
+        rows.clear()
+        for name, keep, column in zip(HISTOGRAMS, KEEP, observed, strict=True):
+            values = list(map(SECONDS, filter(keep, column)))
             if values:
-                child = self._child(name)
-                bounds = child._upper_bounds  # the last is +Inf: every value has a bucket
-                buckets = child._buckets
-                child._sum.inc(sum(values))
-                counts: dict[int, int] = {}
-                for value in values:  # a value's bucket is the first bound at or above it, as observe() finds it
-                    if value != value:  # NaN: observe() puts it in no bucket
-                        continue
-                    at = bisect.bisect_left(bounds, value)
-                    counts[at] = counts.get(at, 0) + 1
-                for at, n in counts.items():
-                    buckets[at].inc(n)
-                values.clear()
-        if self.statuses:
-            for status, n in self.statuses.items():
-                child = self.children.get(status)
+                add(self._child(name), values)
+        children = self.children
+        for status, n in Tally(statuses).items():
+            child = children.get(status)
+            if child is None:
+                label = str(status) if status else CLIENT_CLOSED
+                child = children[status] = self.metrics.requests.labels(*self.labels, label)
+            child.inc(n)
+        for direction, column in (("input", prompts), ("output", completions)):
+            n = tokens(column)
+            if n:
+                child = children.get(direction)
                 if child is None:
-                    child = self.children[status] = self.metrics.requests.labels(*self.labels, status)
+                    child = children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
                 child.inc(n)
-            self.statuses.clear()
-        if self.token_counts:
-            for direction, n in self.token_counts.items():
-                child = self.children.get(direction)
-                if child is None:
-                    child = self.children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
-                child.inc(n)
-            self.token_counts.clear()
+        self.metrics.ended(self.stream, len(statuses))
 
     def _child(self, name: str) -> Any:
         child = self.children.get(name)
         if child is None:
             child = self.children[name] = getattr(self.metrics, name).labels(*self.labels)
         return child
+
+
+def add(child: Any, values: list[float]) -> None:
+    """Values into a histogram child as its observe() would put them, with its sum once and each bucket's count
+    once; the bucket of each value (the first bound at or above it) is found and counted in C."""
+    total = sum(values)
+    child._sum.inc(total)
+    if total != total:  # a NaN among them (or both infinities): observe() puts NaN in no bucket
+        values = [value for value in values if value == value]
+    buckets = child._buckets  # the last bound is +Inf: every other value has a bucket
+    for at, n in Tally(map(partial(bisect.bisect_left, child._upper_bounds), values)).items():
+        buckets[at].inc(n)
+
+
+def tokens(column: tuple[Any, ...]) -> int:
+    """The sum of a column's token counts that are positive integers (None, 0 and anything else count none)."""
+    counts = list(filter(None, column))
+    if not counts:
+        return 0
+    if set(map(type, counts)) == {int} and min(counts) > 0:  # as upstreams report them: summed in C
+        return sum(counts)
+    return sum(n for n in counts if isinstance(n, int) and n > 0)
 
 
 class Metrics:
@@ -288,9 +330,12 @@ class Metrics:
         self.backends = dict(backends or {})
         self.exhausted_seen = {name: 0 for name in self.backends}
         self.tenant_label = TenantLabels(settings.max_tenants, tenants)
-        self.series: dict[tuple[str, ...], Series] = {}
+        self.series: dict[tuple[str, ...], Series] = {}  # by labels
+        self.by_key: dict[tuple[Any, ...], Series] = {}  # by what record() reads first: see _series
+        self.batch = BATCH if self.batched else 1  # requests a series holds before its values are added
         self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
-        self.opened = {True: 0, False: 0}  # batched: requests in flight, set on the gauge when it is read
+        # Batched: requests begun and not yet in a flushed series, set on the gauge when it is read.
+        self.opened = {True: 0, False: 0}
         self.store = store
         self.store_seen = 0
         self.span_counters: dict[str, Any] = {}
@@ -309,50 +354,71 @@ class Metrics:
     # -- the completion task ------------------------------------------------------------------------------
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float, trace_id: str | None) -> None:
+        """One request's values into its series; they leave flight (the gauge) when the series is flushed."""
+        served = ex.served or NOT_SERVED
+        key: tuple[Any, ...] = (ex.tenant, ex.model, served.model, served.backend, ex.stream)
+        if self.extra:
+            got = ex.labels
+            key += tuple([got.get(name, default) for name, default in self.extra.items()])
+        series = self.by_key.get(key)
+        if series is None:
+            series = self._series(ex, key)
+        status = outcome.status
+        usage = outcome.usage or NO_USAGE
+        ok = status < 400  # an error body is no first token
+        row: Row = (
+            status,
+            total_ms,
+            outcome.ttft_ms if ok else None,
+            outcome.tpot_ms if ok else None,
+            ex.upstream_ms if ex.attempts else None,
+            ex.overhead_ms,
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+        )
+        # Exemplars only where they can be shown: the multiprocess files do not keep them.
+        if trace_id is not None and self.exemplars:
+            row = series.observe_traced(row, {"trace_id": trace_id})
+        rows = series.rows
+        rows.append(row)
+        if len(rows) >= self.batch:
+            series.flush()
+        if ex.fallback is not None:
+            self.fallbacks.labels(ex.model, series.labels[2], ex.fallback).inc()
+        if ex.rejected_by is not None:
+            self.rejections.labels(series.labels[0], ex.model, ex.rejected_by, str(status)).inc()
+        store = self.store
+        if store is not None and store.failures != self.store_seen:
+            self.sync()
+
+    def ended(self, stream: bool, count: int) -> None:
+        """`count` requests recorded (their series flushed): out of flight."""
         if self.batched:
-            self.opened[ex.stream] -= 1
+            self.opened[stream] -= count
         else:
-            self.open[ex.stream].dec()
+            self.open[stream].dec(count)
+
+    def _series(self, ex: Exchange, key: tuple[Any, ...]) -> Series:
+        """The series of an exchange key first seen: its labels made (the tenant's bounded), and remembered.
+
+        A raw tenant's label never changes once given (tenants are only ever added to the bounded set), so
+        the key may stand for the labels; keys stop being remembered past MAX_KEYS (tenants without bound).
+        """
         served = ex.served
-        tenant = self.tenant_label(ex.tenant)
         labels: tuple[str, ...] = (
-            tenant,
+            self.tenant_label(ex.tenant),
             ex.model,
             served.model if served is not None else "",
             served.backend if served is not None else "",
             "true" if ex.stream else "false",
+            *key[5:],  # the plugins' labels
         )
-        if self.extra:
-            got = ex.labels
-            labels += tuple(got.get(name, default) for name, default in self.extra.items())
         series = self.series.get(labels)
         if series is None:
             series = self.series[labels] = Series(self, labels)
-        series.count(str(outcome.status) if outcome.status else CLIENT_CLOSED)
-        # Exemplars only where they can be shown: the multiprocess files do not keep them.
-        exemplar = {"trace_id": trace_id} if trace_id is not None and self.exemplars else None
-        series.observe("duration", total_ms / 1000.0, exemplar)
-        if outcome.status < 400:  # an error body is no first token
-            if outcome.ttft_ms is not None:
-                series.observe("ttft", outcome.ttft_ms / 1000.0, exemplar)
-            if outcome.tpot_ms is not None:
-                series.observe("tpot", outcome.tpot_ms / 1000.0, exemplar)
-        if ex.attempts:
-            series.observe("upstream", ex.upstream_ms / 1000.0, exemplar)
-        if ex.overhead_ms > 0:
-            series.observe("overhead", ex.overhead_ms / 1000.0, exemplar)
-        usage = outcome.usage
-        if usage is not None:
-            for field, direction in (("prompt_tokens", "input"), ("completion_tokens", "output")):
-                tokens = usage.get(field)
-                if isinstance(tokens, int) and tokens > 0:
-                    series.tokens(direction, tokens)
-        series.done()
-        if ex.fallback is not None:
-            self.fallbacks.labels(ex.model, labels[2], ex.fallback).inc()
-        if ex.rejected_by is not None:
-            self.rejections.labels(tenant, ex.model, ex.rejected_by, str(outcome.status)).inc()
-        self.sync()
+        if len(self.by_key) < MAX_KEYS:
+            self.by_key[key] = series
+        return series
 
     def count_spans(self, result: str, count: int) -> None:
         """Called from the export thread too: prometheus_client's values are locked."""
@@ -385,12 +451,11 @@ class Metrics:
     def flush(self) -> None:
         """Every request's values that wait in a series added to the Prometheus children, and the gauge of
         requests in flight set."""
-        if self.batched:
+        for series in self.series.values():
+            series.flush()
+        if self.batched:  # after the flushes, which take the requests they count out of flight
             for stream, count in self.opened.items():
                 self.open[stream].set(count)
-        for series in self.series.values():
-            if series.held:
-                series.flush()
 
     def refresh(self) -> None:
         """The series read at scrape time from elsewhere (Redis failures, backend health): nothing per request."""

@@ -32,16 +32,24 @@ log = logging.getLogger("sluice.telemetry")
 # `;dur=` values under a millisecond, made once: formatting a float costs more than the rest of the header
 # (callgrind: 27k instructions for eight stages, 18k with this table).
 SUB_MS = [f";dur=0.{us:03d}" for us in range(1000)]
+OVERHEAD_SUB_MS = ["overhead" + piece for piece in SUB_MS]
 
 
 def server_timing(timings: list[tuple[str, float]], overhead_ms: float) -> bytes:
     """`parse;dur=0.021, upstream;dur=152.304, overhead;dur=0.310` (milliseconds, per the spec)."""
+    # int() rounds toward zero, so a negative duration (a clock step) would print as 0.000: the table serves
+    # only 0 <= ms < 1, everything else takes the format. A plain loop: cheaper in 3.11 than a comprehension's
+    # frame (callgrind: 10.4k instructions for two stages, 11.9k as a comprehension, 12.1k before either).
     parts = []
-    for stage, ms in [*timings, ("overhead", overhead_ms)]:
-        # int() rounds toward zero, so a negative duration (a clock step) would print as 0.000: the table
-        # serves only 0 <= ms < 1, everything else takes the format.
-        us = int(ms * 1000.0 + 0.5) if ms >= 0.0 else -1
-        parts.append(stage + SUB_MS[us] if 0 <= us < 1000 else f"{stage};dur={ms:.3f}")
+    for stage, ms in timings:
+        if ms >= 0.0 and (us := int(ms * 1000.0 + 0.5)) < 1000:
+            parts.append(stage + SUB_MS[us])
+        else:
+            parts.append(f"{stage};dur={ms:.3f}")
+    if overhead_ms >= 0.0 and (us := int(overhead_ms * 1000.0 + 0.5)) < 1000:
+        parts.append(OVERHEAD_SUB_MS[us])
+    else:
+        parts.append(f"overhead;dur={overhead_ms:.3f}")
     return ", ".join(parts).encode()
 
 

@@ -32,7 +32,7 @@ from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
 from gateway.server import request
 from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
 from gateway.server.reply import BODY_FOLLOWS, JSON, send_error
-from gateway.telemetry.recorder import server_timing
+from gateway.telemetry.recorder import ms_value, server_timing
 from gateway.upstream.attempts import Opened, around_loading
 from gateway.wire.marks import stream_rules
 
@@ -304,7 +304,7 @@ class Pipeline:
                 taps.append(tap)
         overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
         head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
-        head.headers.append((b"x-sluice-overhead-ms", f"{overhead:.3f}".encode()))
+        head.headers.append((b"x-sluice-overhead-ms", ms_value(overhead)))
         await self._body(send, ex, head, answer, outcome, tuple(taps), direct)
         outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
 

@@ -6,7 +6,9 @@ One job's keys are hash-tagged by its id, so they share a Redis Cluster slot:
 Per tenant, `sluice:bg:{TENANT}:inflight` holds the jobs in flight (the `max_inflight_per_tenant` cap), each
 scored by when its owner's lease runs out: the owner pushes the score on at every renewal, so a dead owner's
 slots are free again a lease after its last renewal. Per gateway instance, `sluice:bg:lease:{INSTANCE}` says
-that the owner is alive. Everything has a TTL.
+that the owner is alive. Everything has a TTL. A job's keys and its tenant's slots hash to different Redis
+Cluster slots, so admission is two scripts: the slot is reserved under the cap first, then the record written
+(`RedisJobs.create` says why that order keeps the rules).
 
 Every write is conditional on the record, in one script: events are appended only while the job has not
 ended and only by its owner, and only those not stored yet (a write that timed out may still have landed, so

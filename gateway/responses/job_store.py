@@ -6,7 +6,9 @@ One job's keys are hash-tagged by its id, so they share a Redis Cluster slot:
 Per tenant, `sluice:bg:{TENANT}:inflight` holds the jobs in flight (the `max_inflight_per_tenant` cap), each
 scored by when its owner's lease runs out: the owner pushes the score on at every renewal, so a dead owner's
 slots are free again a lease after its last renewal. Per gateway instance, `sluice:bg:lease:{INSTANCE}` says
-that the owner is alive. Everything has a TTL.
+that the owner is alive. Everything has a TTL. A job's keys and its tenant's slots hash to different Redis
+Cluster slots, so admission is two scripts: the slot is reserved under the cap first, then the record written
+(`RedisJobs.create` says why that order keeps the rules).
 
 Every write is conditional on the record, in one script: events are appended only while the job has not
 ended and only by its owner, and only those not stored yet (a write that timed out may still have landed, so
@@ -31,17 +33,25 @@ from gateway.state.store import Script, Store, StoreUnavailable
 
 TERMINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
-# Keys: job, inflight. Args: cap, now, slot_until, ttl_ms, then the job's fields as name, value pairs.
+# Admission is two scripts, one per hash slot, since a job's keys and its tenant's slots live in different ones
+# (docs/architecture.md, "Background mode"): the slot is reserved first, then the record is written.
+# Keys: inflight. Args: cap, now, slot_until, ttl_ms, ident. 1: reserved; 0: the tenant is at its cap.
+RESERVE = Script(
+    """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+)
+# Keys: job. Args: ttl_ms, then the job's fields as name, value pairs.
 CREATE = Script(
     """
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
-if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[2], ARGV[3], ARGV[6])
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 2, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 )
@@ -151,6 +161,9 @@ class Renewal:
 
     lapsed: bool  # the lease had run out before this renewal: the jobs it covered are taken as lost
     ended: dict[str, str | None] = field(default_factory=dict)  # running jobs whose record ended (or is gone)
+    # Running jobs whose slot had run out (its node unreachable for longer than a lease while the lease's was
+    # not): it may have been given to another job, so the job is taken as lost, as under a lapsed lease.
+    lost: set[str] = field(default_factory=set)
 
 
 class Jobs(Protocol):
@@ -184,10 +197,23 @@ class RedisJobs:
         self.lease_ms = int(lease_s * 1000)
 
     async def create(self, job: Job, cap: int) -> bool:
-        keys = [job_key(job.ident), inflight_key(job.tenant)]
+        """Reserve the job's slot under the cap, then write its record; a record that cannot be written gives
+        its slot back. Nobody knows the id before this returns, so neither half is ever seen alone: a
+        reservation left behind (the give-back failed too) runs out with its lease, and a record that lands
+        after its write timed out is one that no client can name, gone with its TTL."""
+        slots = inflight_key(job.tenant)
         now = time.time()
-        args: list[str | bytes | int | float] = [cap, now, now + self.lease_s, self.ttl_ms, *job.fields()]
-        return bool(await self.store.run(CREATE, keys, args))
+        if not await self.store.run(RESERVE, [slots], [cap, now, now + self.lease_s, self.ttl_ms, job.ident]):
+            return False
+        try:
+            await self.store.run(CREATE, [job_key(job.ident)], [self.ttl_ms, *job.fields()])
+        except StoreUnavailable:
+            # Around the breaker (the failure just opened it): the slot may live on another node, still up,
+            # and would otherwise count against the tenant for a whole lease.
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.pipeline([["ZREM", slots, job.ident]], always=True)
+            raise
+        return True
 
     async def get(self, ident: str) -> Job | None:
         raw = await self.store.execute("HGETALL", job_key(ident))
@@ -238,27 +264,34 @@ class RedisJobs:
         await self.store.pipeline([["DEL", job_key(job.ident)], ["DEL", events_key(job.ident)]])
 
     async def renew(self, instance: str, running: Sequence[Job]) -> Renewal:
-        """The lease, the running jobs' slots and a look at their records, in one round trip the breaker lets by."""
+        """The lease, the running jobs' slots and a look at their records, in one round trip the breaker lets by
+        (one per node on a Redis Cluster: the lease, each tenant's slots and each job live where their keys hash)."""
         until = time.time() + self.lease_s
         lease = lease_key(instance)
+        tenants = {job.tenant: None for job in running}
         # PEXPIRE answers whether the lease was still there (0: it had run out), SET makes sure it is now.
         commands: list[list[Any]] = [["PEXPIRE", lease, self.lease_ms], ["SET", lease, 1, "PX", self.lease_ms]]
-        commands += [["ZADD", inflight_key(job.tenant), "XX", until, job.ident] for job in running]
+        # CH: 1 if the slot was there to push on, 0 if it had run out and been dropped by an admission.
+        commands += [["ZADD", inflight_key(job.tenant), "XX", "CH", until, job.ident] for job in running]
         commands += [["HGET", job_key(job.ident), "status"] for job in running]
+        commands += [["PEXPIRE", inflight_key(tenant), self.ttl_ms] for tenant in tenants]  # outlive the jobs
         replies = await self.store.pipeline(commands, always=True)
         if isinstance(replies[1], ReplyError):
             raise StoreUnavailable(f"lease not renewed: {replies[1]}")
         renewal = Renewal(lapsed=replies[0] == 0)
-        for job, status in zip(running, replies[2 + len(running) :], strict=True):
+        count = len(running)
+        for job, kept, status in zip(running, replies[2 : 2 + count], replies[2 + count : 2 + 2 * count], strict=True):
             if isinstance(status, ReplyError):
                 continue
             if status is None or status.decode() in TERMINAL:
                 renewal.ended[job.ident] = None if status is None else status.decode()
+            elif kept == 0:
+                renewal.lost.add(job.ident)
         return renewal
 
     async def prepare(self) -> None:
         """Load the scripts now, so that the first job does not pay for it (the NOSCRIPT path still works)."""
-        await self.store.pipeline([["SCRIPT", "LOAD", script.source] for script in (CREATE, APPEND, FINISH)])
+        await self.store.pipeline([["SCRIPT", "LOAD", script.source] for script in (RESERVE, CREATE, APPEND, FINISH)])
 
     async def alive(self, instance: str) -> bool:
         return bool(await self.store.execute("EXISTS", lease_key(instance)))

@@ -234,6 +234,9 @@ class Background:
         for entry in running:
             if entry.job.ident in renewal.ended:
                 self._stop(entry, "ended")  # cancelled, or failed by another instance: its task says so
+            elif entry.job.ident in renewal.lost and not entry.finishing:
+                log.warning("background job %s: its slot had run out", entry.job.ident)
+                self._stop(entry, "lost")
 
     def _stop(self, entry: Running, reason: str) -> None:
         if entry.reason is None:

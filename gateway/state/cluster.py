@@ -143,12 +143,17 @@ class Cluster:
         return target
 
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
-        """Commands grouped by owner, one round trip per node in parallel; redirects are followed one by one."""
+        """Commands grouped by owner (`SCRIPT LOAD` and the like to every master), one round trip per node in
+        parallel; redirects are followed one by one."""
         if not self.masters:
             await self.loaded()
         groups: dict[Node, list[int]] = {}
         for index, command in enumerate(commands):
             key = key_of(command)
+            if key is None and name_of(command) in BROADCAST:  # to every master, as `call` sends it
+                for master in self.masters:
+                    groups.setdefault(master, []).append(index)
+                continue
             node = self.owner(key) if key is not None else self.masters[0]
             groups.setdefault(node, []).append(index)
         results: list[Any] = [None] * len(commands)
@@ -168,7 +173,8 @@ class Cluster:
                         reply = await self.follow(reply, target, commands[index])
                     except ReplyError as exc:
                         reply = exc
-                results[index] = reply
+                if not isinstance(results[index], ReplyError):  # a broadcast's answer: the first error, if any
+                    results[index] = reply
         return results
 
     async def loaded(self) -> None:

@@ -188,18 +188,18 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         watcher: asyncio.Future[Any] | None = None
         timer: asyncio.TimerHandle | None = None
-
-        def watch() -> None:
-            nonlocal watcher
-            if not done:
-                watcher = asyncio.ensure_future(receive())
-                watcher.add_done_callback(client_left)
-
         if direct is not None:
             direct.gone = client_left
             if direct.disconnected:  # gone while the request was parsed
                 client_left()
         else:
+
+            def watch() -> None:
+                nonlocal watcher
+                if not done:
+                    watcher = asyncio.ensure_future(receive())
+                    watcher.add_done_callback(client_left)
+
             timer = loop.call_later(WATCH_AFTER_S, watch)
         ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1

@@ -170,7 +170,7 @@ class Pipeline:
             refusal_line(self.access, endpoint, error, rid, started, model)
 
     async def _serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None) -> None:
-        outcome = Outcome(status=0)
+        outcome = Outcome.begun()
         task = asyncio.current_task()
         assert task is not None
         done = False
@@ -331,7 +331,20 @@ class Pipeline:
                 except errors.GatewayError:
                     ex.rejected_by = "responses"
                     raise
-            return await self._upstream(ex)
+            try:  # step 3, in this frame rather than a coroutine of its own: one awaited frame fewer a request
+                return await self.upstreams.open(ex)
+            except errors.GatewayError as exc:
+                reply = await self._rescue(ex, exc)
+                if reply is None:
+                    raise
+                return reply
+            finally:
+                if ex.routed is not None:  # a backend with several endpoints chose one: the gateway's time
+                    ex.upstream_ms -= ex.route_ms
+                    ex.timings.append(("route", ex.route_ms))
+                if ex.served is not None:  # the wait for a connection, of the attempt that served
+                    ex.timings.append(("pool", ex.pool_ms))
+                ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
         except errors.GatewayError as exc:
             outcome.error = exc.detail or exc.message  # the log's: what the client's message leaves out
             return Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
@@ -350,22 +363,6 @@ class Pipeline:
             log.exception("request %s: cancelled from below, not by a shutdown", ex.request_id)
             outcome.error = INTERNAL_CANCELLED.message
             return Reply(status=500, headers=[JSON], body=INTERNAL_CANCELLED.body(), source="error")
-
-    async def _upstream(self, ex: Exchange) -> Opened | Reply:
-        try:
-            return await self.upstreams.open(ex)
-        except errors.GatewayError as exc:
-            reply = await self._rescue(ex, exc)
-            if reply is None:
-                raise
-            return reply
-        finally:
-            if ex.routed is not None:  # a backend with several endpoints chose one: the gateway's time
-                ex.upstream_ms -= ex.route_ms
-                ex.timings.append(("route", ex.route_ms))
-            if ex.served is not None:  # the wait for a connection, of the attempt that served
-                ex.timings.append(("pool", ex.pool_ms))
-            ex.timings.append(("upstream", ex.upstream_ms - ex.pool_ms))
 
     def _head(self, ex: Exchange, answer: Opened | Reply, outcome: Outcome) -> ResponseHead:
         """Step 4: the status and headers the client will get (plugins may still add to them)."""

@@ -120,9 +120,13 @@ class ResponseHead:
     headers: list[tuple[bytes, bytes]]  # what the client will get; plugins may append
 
 
-@dataclass(slots=True)
+@dataclass
 class Outcome:
-    """What happened, known once the response has ended."""
+    """What happened, known once the response has ended.
+
+    Not slotted, so that the defaults are class attributes and `begun()`, the pipeline's one per request,
+    stores only the status.
+    """
 
     status: int
     complete: bool = False  # the whole body reached the client (for streams: up to [DONE])
@@ -135,6 +139,13 @@ class Outcome:
     usage: dict[str, Any] | None = None
     usage_source: str = "upstream"  # "estimated": counted from a stream's events, the upstream sent none
     source: str = "upstream"  # "upstream" or the plugin that answered
+
+    @classmethod
+    def begun(cls) -> Outcome:
+        """The outcome of a request that has just begun: nothing known but that no status was sent yet."""
+        outcome = object.__new__(cls)
+        outcome.status = 0
+        return outcome
 
 
 class Plugin(Protocol):

@@ -461,7 +461,12 @@ class Pool:
             )
         )
         started = time.perf_counter()
-        conn = await self._acquire()
+        idle = self._idle
+        conn = idle.pop() if idle else None  # the common case, as _acquire takes it, without its awaited frame
+        if conn is not None and not conn.closed:
+            conn.reused = True
+        else:
+            conn = await self._acquire()
         waited = time.perf_counter() - started
         try:
             response = await self._exchange(conn, data)

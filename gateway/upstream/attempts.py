@@ -56,13 +56,6 @@ class Opened:
     token_at: float = 0.0  # perf_counter() when the first token was seen, if it was looked for
 
 
-@dataclass(slots=True)
-class Attempt:
-    target: Target
-    hedge: Target | None  # raced against `target` when that has no first token soon enough
-    round: int  # 0 on the first pass over the targets; each later round waits first
-
-
 class Plan:
     """The attempts `open` makes: the targets in order, then round again while the budget lasts."""
 
@@ -74,13 +67,16 @@ class Plan:
         self.hedging = hedging  # on the first pass, each target is paired with the next one as its hedge
         self.next = 0
 
-    def __iter__(self) -> Iterator[Attempt]:
+    def __iter__(self) -> Iterator[tuple[Target, Target | None, int]]:
+        """Each attempt: its target; the one raced against it when it has no first token soon enough; its
+        round (0 on the first pass over the targets; each later round waits first). Tuples, not objects: one
+        is made for every request."""
         count = len(self.targets)
         while self.next < self.budget:
             index = self.next
             self.next += 1
             hedge = self.targets[index + 1] if self.hedging and index + 1 < count else None
-            yield Attempt(self.targets[index % count], hedge, index // count)
+            yield self.targets[index % count], hedge, index // count
 
     def skip(self) -> None:
         """The next target has been tried already (it was the hedge)."""
@@ -195,26 +191,25 @@ class Upstreams:
                 break
         plan = Plan(targets, spec.max_attempts or len(targets), ex.hedge_after_ms is not None)
         failure: errors.GatewayError | None = None
-        for attempt in plan:
-            if attempt.round:
+        for target, hedge, round_ in plan:
+            if round_:
                 assert failure is not None
-                wait = _retry_wait(failure, attempt.round, spec.max_retry_wait_ms / 1000.0)
+                wait = _retry_wait(failure, round_, spec.max_retry_wait_ms / 1000.0)
                 if wait is None:
                     break
                 await asyncio.sleep(wait)
-            target = attempt.target
             started = time.perf_counter()
             try:
-                if attempt.hedge is None:
+                if hedge is None:
                     opened = await self._attempt(ex, target)
                 else:
-                    opened, target = await self._hedged(ex, target, attempt.hedge, ex.hedge_after_ms or 0.0)
+                    opened, target = await self._hedged(ex, target, hedge, ex.hedge_after_ms or 0.0)
             except errors.GatewayError as exc:
                 ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
                 if not _retryable(exc):
                     raise
                 failure = exc
-                if attempt.hedge is not None and ex.hedged:
+                if hedge is not None and ex.hedged:
                     plan.skip()  # the hedge was tried too
                 log.info(
                     "model %s on %s failed (%s: %s)",

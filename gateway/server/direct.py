@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from operator import itemgetter
 
@@ -30,6 +29,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from gateway.server.reply import BODY_FOLLOWS
+from gateway.server.request import new_request_id
 
 log = logging.getLogger("sluice.http")
 
@@ -106,7 +106,7 @@ class Direct:
         self.default_headers = default_headers
         # Noted by the protocol as the head was parsed: the client's own x-request-id (the first usable one, as
         # request.request_id takes it), and the body's content-encoding (lower-cased; b"": none).
-        self.request_id = request_id.decode() if request_id is not None else f"{random.getrandbits(128):032x}"
+        self.request_id = request_id.decode() if request_id is not None else new_request_id()
         self.encoding = encoding
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue

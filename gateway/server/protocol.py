@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +34,7 @@ from uvicorn.server import ServerState
 from gateway import errors
 from gateway.server.direct import NAMES, Direct, Handler, checked_lines, plain, run
 from gateway.server.reply import BODY_FOLLOWS
-from gateway.server.request import ARRIVED
+from gateway.server.request import ARRIVED, new_request_id, usable_id
 from gateway.settings import LimitSettings
 from gateway.upstream import descriptors
 
@@ -285,7 +284,7 @@ class GatewayProtocol(HttpToolsProtocol):
             if value.lower() == b"100-continue":
                 self.expect_100_continue = True
         elif name == b"x-request-id":
-            if self.request_id is None and 0 < len(value) <= 128 and value.isascii():
+            if self.request_id is None and usable_id(value):
                 self.request_id = value  # the first usable one, as request.request_id takes it
         elif name == b"content-encoding":
             self.encoding = value.strip().lower()  # the last one, as request.read_body takes it
@@ -457,6 +456,6 @@ class GatewayProtocol(HttpToolsProtocol):
         head += b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
         if retry_after:
             head += b"retry-after: %d\r\n" % RETRY_AFTER_S
-        head += b"x-request-id: %032x\r\n\r\n" % random.getrandbits(128)
+        head += b"x-request-id: " + new_request_id().encode() + b"\r\n\r\n"
         self.transport.write(head + body)
         self.transport.close()

@@ -73,11 +73,20 @@ class ClientGone(Exception):
     """The client disconnected before its request body had arrived."""
 
 
+def usable_id(value: bytes) -> bool:
+    """Whether a client's x-request-id may be the request's own: short and ASCII."""
+    return 0 < len(value) <= 128 and value.isascii()
+
+
+def new_request_id() -> str:
+    return f"{random.getrandbits(128):032x}"  # as unique as a uuid4, at a seventh of the cost
+
+
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     for name, value in headers:
-        if name == b"x-request-id" and 0 < len(value) <= 128 and value.isascii():
+        if name == b"x-request-id" and usable_id(value):
             return value.decode()
-    return f"{random.getrandbits(128):032x}"  # as unique as a uuid4, at a seventh of the cost
+    return new_request_id()
 
 
 def expected(headers: list[tuple[bytes, bytes]], limit: int) -> bytes:

@@ -90,6 +90,26 @@ def assemble(endpoint: str, body: bytes) -> dict[str, Any] | None:
     return result
 
 
+def finished(endpoint: str, body: bytes, usage: dict[str, Any] | None) -> bytes | None:
+    """A streamed body as a cache keeps it: the whole answer in the non-stream shape, or None when it is not
+    a finished one (a Responses stream not `completed`, a choice without its finish reason, an error event).
+    `usage` goes in when the stream carried none (the client did not ask; the upstream was asked anyway)."""
+    try:
+        answer = assemble(endpoint, body)
+    except orjson.JSONDecodeError:
+        return None
+    if answer is None:
+        return None
+    if endpoint == "responses":
+        if answer.get("status") != "completed":
+            return None
+    elif not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
+        return None
+    if answer.get("usage") is None and usage is not None:
+        answer["usage"] = usage
+    return orjson.dumps(answer)
+
+
 def _merge_delta(into: dict[str, Any], delta: dict[str, Any]) -> None:
     if delta.get("content"):
         into["parts"].append(delta["content"])

@@ -432,7 +432,8 @@ class Cache:
         if len(body) > self.settings.max_entry_bytes * 4:
             return None
         if ex.stream:
-            data = self._assemble_stream(ex, body, outcome)
+            usage = outcome.usage if outcome.usage_source == "upstream" else None
+            data = completion.finished(ex.endpoint, body, usage)
         elif ex.endpoint == "responses":
             data = body if _completed_response(body) else None
         else:
@@ -449,23 +450,6 @@ class Cache:
         served = ex.served.model if ex.served is not None else ex.model
         fresh_until = time.time() + ttl_s
         return Entry(ex.endpoint, served, data, fresh_until, fresh_until + self.stale_s)
-
-    @staticmethod
-    def _assemble_stream(ex: Exchange, body: bytes, outcome: Outcome) -> bytes | None:
-        try:
-            answer = completion.assemble(ex.endpoint, body)
-        except orjson.JSONDecodeError:
-            return None
-        if answer is None:
-            return None
-        if ex.endpoint == "responses":
-            if answer.get("status") != "completed":
-                return None
-        elif not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
-            return None
-        if answer.get("usage") is None and outcome.usage is not None and outcome.usage_source == "upstream":
-            answer["usage"] = outcome.usage  # the client did not ask for it, the upstream was asked anyway
-        return orjson.dumps(answer)
 
     def _store(self, key: str, entry: Entry) -> None:
         self._keep(key, entry)

@@ -355,15 +355,8 @@ class SemanticCache:
         if len(body) > self.settings.max_entry_bytes * 4:
             return None
         if ex.stream:
-            try:
-                answer = completion.assemble(ex.endpoint, body)
-            except orjson.JSONDecodeError:
-                return None
-            if answer is None:
-                return None
-            if answer.get("usage") is None and outcome.usage is not None and outcome.usage_source == "upstream":
-                answer["usage"] = outcome.usage
-            data = orjson.dumps(answer)
+            usage = outcome.usage if outcome.usage_source == "upstream" else None
+            data = completion.finished(ex.endpoint, body, usage)  # None: cut short, never stored
         else:
             try:
                 answer = orjson.loads(body)
@@ -371,10 +364,10 @@ class SemanticCache:
                 return None
             if not isinstance(answer, dict) or answer.get("error") or not answer.get("choices"):
                 return None
+            if not all(c.get("finish_reason") for c in answer["choices"]):
+                return None  # cut short upstream: never stored
             data = body
-        if not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
-            return None  # cut short upstream (or a length-limited answer still streaming): never stored
-        return data if len(data) <= self.settings.max_entry_bytes else None
+        return data if data is not None and len(data) <= self.settings.max_entry_bytes else None
 
     def _count(self, counter: str, ex: Exchange, *value: str) -> None:
         labels = (counter, self.tenant_label(ex.tenant), ex.model, *value)

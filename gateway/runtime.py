@@ -29,7 +29,10 @@ class Runtime:
         self.settings = settings
         self.upstreams = Upstreams(settings)
         # One Redis client per process, shared by every plugin that keeps state across processes.
-        self.store = Store(settings.redis.url) if settings.redis.url else None
+        redis = settings.redis
+        self.store = Store(redis.url, timeout_s=redis.timeout_ms / 1000) if redis.url else None
+        # Stored objects' owners and background jobs fail closed: they wait longer, on connections of their own.
+        self.decisions = self.store.decisions(redis.decision_timeout_ms / 1000) if self.store else None
         self.plugins: list[Plugin] = [
             load_class(spec)(settings.plugin_config(spec), settings) for spec in settings.plugins
         ]
@@ -38,7 +41,7 @@ class Runtime:
         self.upstreams.instrument(self.meter)
         self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.warmup = Warmup(settings, self.upstreams, self.meter)
-        self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
+        self.responses = Responses(settings, self.upstreams, self.pipeline, self.decisions)
         self.pipeline.route = self.responses.route
         self.pipeline.admit = self.responses.admit
         self.collector = Collector(lambda: self.pipeline.busy)
@@ -133,6 +136,8 @@ class Runtime:
         await self.upstreams.aclose()
         if self.store is not None:
             await self.store.aclose()
+        if self.decisions is not None:
+            await self.decisions.aclose()
         self.telemetry.close()  # flushes queued spans, bounded: a collector that is down does not hold up exit
 
 

@@ -206,6 +206,11 @@ class TenantSettings(Strict):
 
 class RedisSettings(Strict):
     url: str = ""
+    # The request path's deadline per call: past it a cache misses, a rate limit uses its local bound.
+    timeout_ms: float = Field(50.0, gt=0)
+    # The deadline of calls that decide who may see or change a stored object (they fail closed: a late reply
+    # there is a 503), on connections of their own.
+    decision_timeout_ms: float = Field(500.0, gt=0)
 
     @field_validator("url")
     @classmethod

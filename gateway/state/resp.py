@@ -27,6 +27,12 @@ import hiredis
 
 Arg = str | bytes | int | float
 STALE_S = 2.0  # silent this long while calls time out: presumed dead
+SILENT_S = 0.5  # silent this long while calls time out: stalled or gone, no longer merely slow
+
+
+class SlowReply(TimeoutError):
+    """A reply missed its deadline on a connection that had answered within the last `SILENT_S`: the server is
+    slow for a moment (busy, or on a machine short of CPU), not gone. The call fails; the store stays up."""
 
 
 class ReplyError(Exception):
@@ -237,17 +243,22 @@ class Connection(asyncio.Protocol):
             self.expired += 1
             future = waiter.future if isinstance(waiter, Batch) else waiter
             if not future.done():
-                future.set_exception(TimeoutError("redis did not answer in time"))
-                self.timed_out(now)
+                future.set_exception(self.timed_out(now))
 
-    def timed_out(self, now: float) -> None:
+    def timed_out(self, now: float) -> TimeoutError:
+        """What a call that missed its deadline fails with: slow while the server still answers, silent once it
+        has answered nothing for `SILENT_S`."""
         if self.stalled_at is None:
             self.stalled_at = now
-        elif now - self.stalled_at > STALE_S:
+        silent = now - self.stalled_at
+        if silent < SILENT_S:
+            return SlowReply("redis answered late")
+        if silent > STALE_S:
             # Calls have been timing out for a while and not a byte has come back: the socket is likely dead
             # without a reset (a vanished host). Drop it so that a fresh connection is tried; a merely slow
             # server keeps its connection, and its late replies are dropped in their turn.
             self.abort()
+        return TimeoutError(f"redis has answered nothing for {silent:.1f} s")
 
     def answered(self) -> None:
         """The oldest waiter has had its reply."""

@@ -1,9 +1,20 @@
 """The shared Redis client, behind a circuit breaker, for the plugins that keep state across processes.
 
 Redis is an accelerator here, never a dependency of answering: every call has a short deadline and is
-tried once, and after a failure the breaker stays open for a cool-down, during which calls fail at once
-with `StoreUnavailable` and callers fall back to what they have in process. The first failure and the
-recovery are logged once each; failures are counted for the metrics.
+tried once, and a call that fails raises `StoreUnavailable` so that its caller falls back by its rule. The
+breaker tells a store that is down from one that is slow:
+
+- down: the connection is refused, reset or lost, cannot be opened in time, or has answered nothing for
+  `resp.SILENT_S` while calls waited (stopped, or stalled). The breaker opens for a cool-down, during which
+  every call fails at once without being tried.
+- slow: a reply missed its deadline on a connection that still answers (a busy server, a machine short of
+  CPU). That one call fails; the breaker stays closed, so one late reply never refuses everyone else.
+
+The first failure and the recovery are logged once each; failures are counted for the metrics.
+
+Decisions about who may see or change an object fail closed, so a late reply there is a refused request.
+They go through a store of their own with a longer deadline (`redis.decision_timeout_ms`, `Store.decisions`),
+on connections of their own, so a request-path burst never queues in front of them.
 
 A few calls bypass the breaker (`pipeline(..., always=True)`): those whose failure costs more than one more
 slow call, made in the background a few times a second at most. A background job's lease renewal is one: a
@@ -26,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.state.cluster import Cluster
-from gateway.state.resp import Arg, Client, Redis, ReplyError, node_urls, parse_url
+from gateway.state.resp import Arg, Client, Redis, ReplyError, SlowReply, node_urls, parse_url
 
 log = logging.getLogger("sluice.store")
 
@@ -65,6 +76,8 @@ class Store:
         connections: int = 2,
     ) -> None:
         self.url = url
+        self.connect_timeout_s = connect_timeout_s
+        self.connections = connections
         # A few connections per server carry every call, pipelined: a burst queues on them (within the
         # deadline) instead of opening more connections, so it never opens the breaker while Redis is fine.
         self.client = connect(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, connections=connections)
@@ -72,6 +85,18 @@ class Store:
         self.open_until = 0.0  # while time.monotonic() is below this, calls are not even tried
         self.down = False
         self.failures = 0  # total, for metrics
+        self.late = 0  # of those, replies that missed their deadline while the server still answered
+
+    def decisions(self, timeout_s: float) -> Store:
+        """A store on the same server for the calls that decide who may see or change an object: its own
+        connections and breaker, and a deadline long enough that a busy machine is not mistaken for an outage."""
+        return Store(
+            self.url,
+            timeout_s=timeout_s,
+            connect_timeout_s=max(self.connect_timeout_s, timeout_s),
+            cooldown_s=self.cooldown_s,
+            connections=self.connections,
+        )
 
     @property
     def node_urls(self) -> list[str]:
@@ -148,6 +173,9 @@ class Store:
 
     def _trip(self, exc: Exception) -> StoreUnavailable:
         self.failures += 1
+        if isinstance(exc, SlowReply):  # slow, not down: this call fails, the others go on being tried
+            self.late += 1
+            return StoreUnavailable(str(exc))
         self.open_until = time.monotonic() + self.cooldown_s
         if not self.down:
             self.down = True

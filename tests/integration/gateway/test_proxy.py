@@ -283,7 +283,7 @@ def test_client_disconnect_closes_the_upstream(gateway: RunningGateway, upstream
                 break
     closed_at = time.monotonic()
     assert upstream.wait_disconnect(2.0)
-    assert upstream.disconnects[0] - closed_at < 0.5
+    assert upstream.disconnects[0] - closed_at < 2.0  # not left to run its ~10 s of tokens
     upstream.script(Stall())  # a client that gives up while waiting for the first byte
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=0.3)

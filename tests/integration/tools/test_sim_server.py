@@ -242,7 +242,7 @@ async def test_non_stream_waits_for_the_whole_generation(serve: Serve) -> None:
         started = time.perf_counter()
         await sdk.chat.completions.create(model="m", messages=MESSAGES)
         elapsed = time.perf_counter() - started
-    assert 0.095 <= elapsed < 1.0
+    assert 0.095 <= elapsed < 3.0  # at least the generation's 100 ms; the bound only catches a hang
 
 
 async def test_header_overrides(serve: Serve) -> None:
@@ -254,7 +254,7 @@ async def test_header_overrides(serve: Serve) -> None:
         elapsed = time.perf_counter() - started
         with pytest.raises(BadRequestError):
             await sdk.chat.completions.create(model="m", messages=MESSAGES, extra_headers={"x-sim-tokens": "many"})
-    assert elapsed < 1.0
+    assert elapsed < 2.0  # the profile's own first token alone would take 2 s
     assert answer.usage is not None
     assert answer.usage.completion_tokens == 3
 

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.config import load
+from gateway.messages.api import PATHS as MESSAGE_PATHS
 from gateway.pipeline import refusal_line
 from gateway.responses.api import JOB_PREFIX
 from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
@@ -93,6 +94,8 @@ class Gateway:
         self.direct_routes: dict[bytes, Handler] = {
             path.encode(): functools.partial(self.direct, endpoint, None) for path, endpoint in ENDPOINTS.items()
         }
+        for path, endpoint in MESSAGE_PATHS.items():  # Anthropic's Messages API (gateway/messages)
+            self.direct_routes[path.encode()] = functools.partial(self.messages_direct, endpoint)
         errors_handled = {HTTPException: self.http_error}
         routes = [
             Route("/healthz", self.healthz),
@@ -141,6 +144,10 @@ class Gateway:
                 else:
                     await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
                 return
+            messages = MESSAGE_PATHS.get(path)
+            if messages is not None:
+                await self.messages(scope, receive, send, messages)
+                return
             jobs = path.startswith(JOB_PREFIX)
             if jobs or path.startswith(RESPONSE_PREFIXES):
                 runtime = self.runtime
@@ -171,6 +178,25 @@ class Gateway:
             await send_error(cycle.send, error, cycle.request_id)
         else:
             await runtime.pipeline.handle_direct(cycle, endpoint, deployment)
+
+    async def messages_direct(self, endpoint: str, cycle: Direct) -> None:
+        runtime = self.runtime
+        if runtime is None:
+            await send_error(cycle.send, errors.ServiceUnavailableError("gateway is starting"), cycle.request_id)
+        else:
+            await runtime.messages.handle_direct(endpoint, cycle)
+
+    async def messages(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        """Anthropic's Messages API under ASGI: POST only, like every proxy route."""
+        runtime = self.runtime
+        if scope["method"] != "POST":
+            error: errors.GatewayError = errors.MethodNotAllowedError(f"{scope['method']} is not allowed here")
+            error.headers = [(b"allow", b"POST")]
+            await send_error(send, error, request_id(scope["headers"]))
+        elif runtime is None:
+            await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
+        else:
+            await runtime.messages.handle(scope, receive, send, endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:

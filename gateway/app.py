@@ -80,8 +80,23 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.runtime: Runtime | None = None
-        models = [{"id": name, "object": "model", "created": 0, "owned_by": "sluice"} for name in settings.models]
-        self.models_body = orjson.dumps({"object": "list", "data": models})
+        # One list for both APIs' clients: OpenAI's fields and Anthropic's (type, display_name, created_at, the
+        # page's first_id, last_id and has_more); each SDK reads its own and ignores the others.
+        models = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "sluice",
+                "type": "model",
+                "display_name": name,
+                "created_at": "1970-01-01T00:00:00Z",
+            }
+            for name in settings.models
+        ]
+        names = list(settings.models)
+        page = {"has_more": False, "first_id": names[0] if names else None, "last_id": names[-1] if names else None}
+        self.models_body = orjson.dumps({"object": "list", "data": models, **page})
         # Who sees the admin routes (/status, /metrics, /readyz's detail: addresses, tenants, usage), decided
         # once: on a listener of their own if `admin.port` is set; else on the tenants' port behind
         # `admin.token`, or open there only when that port is loopback (the quickstart, nobody else can reach it).
@@ -103,6 +118,8 @@ class Gateway:
             Route("/v1/models", self.list_models),
             Route("/models", self.list_models),
             Route("/openai/v1/models", self.list_models),
+            # Claude Code's reachability check on its base URL (HEAD /api/hello), answered like Anthropic's API.
+            Route("/api/hello", self.healthz, methods=["GET", "HEAD"]),
         ]
         if self.admin_here:
             routes += [Route("/status", self.status), Route("/metrics", self.metrics)]

@@ -73,7 +73,7 @@ def with_top_k(chat: dict[str, Any], body: dict[str, Any], kind: str, backend: s
     return {**chat, "top_k": top_k}
 
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _system(system: Any, where: str = "system") -> list[dict[str, Any]]:
     if system is None or system == "" or system == []:
         return []
     if isinstance(system, str):
@@ -81,7 +81,7 @@ def _system(system: Any) -> list[dict[str, Any]]:
     texts = []
     for index, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise Refusal(f"system.{index}: only text blocks can be translated to chat completions", "system")
+            raise Refusal(f"{where}.{index}: only text blocks can be translated to chat completions", where)
         texts.append(block["text"])
     return [{"role": "system", "content": "\n\n".join(texts)}]
 
@@ -91,6 +91,8 @@ def _message(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
     content = message["content"]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
+    if role == "system":  # a system turn within the conversation, where it stands
+        return _system(content, f"messages.{index}.content")
     if role == "assistant":
         return [_assistant(content, index)]
     results: list[dict[str, Any]] = []  # tool messages come first: they answer the turn before

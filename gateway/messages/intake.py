@@ -17,7 +17,7 @@ from gateway.server import request
 
 MESSAGES = "messages"
 COUNT_TOKENS = "messages/count_tokens"
-ROLES = ("user", "assistant")
+ROLES = ("user", "assistant", "system")  # a system turn within the conversation: Claude Code sends them
 
 
 def parse(endpoint: str, headers: list[tuple[bytes, bytes]], body: bytes, started: float, rid: str) -> Exchange:
@@ -42,7 +42,7 @@ def parse(endpoint: str, headers: list[tuple[bytes, bytes]], body: bytes, starte
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise errors.BadRequestError(
-                f"messages.{index}: each message must be an object with role 'user' or 'assistant'",
+                f"messages.{index}: each message must be an object with role 'user', 'assistant' or 'system'",
                 param=f"messages.{index}",
             )
         content = message.get("content")

@@ -45,12 +45,6 @@ def native(backend: Any) -> bool:
     return chosen == "native" if chosen is not None else backend.type in NATIVE_KINDS
 
 
-def with_length(headers: Sequence[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
-    kept = [(k, v) for k, v in headers if k != b"content-length"]
-    kept.append((b"content-length", str(len(body)).encode()))
-    return kept
-
-
 class Responder:
     """The client's ASGI `send` on this route: errors rewritten into Anthropic's shape, the rest as it is."""
 
@@ -73,7 +67,8 @@ class Responder:
                 held, self.held = self.held, None
                 status = held["status"]
                 body = refusals.anthropic_body(status, b"".join(self.parts))
-                head = {**held, "status": refusals.status_of(status), "headers": with_length(held["headers"], body)}
+                headers = refusals.error_headers(status, held["headers"], body)
+                head = {**held, "status": refusals.status_of(status), "headers": headers}
                 await self.send(head)
                 await self.send({"type": "http.response.body", "body": body, "more_body": False})
                 return
@@ -103,7 +98,7 @@ class Answering:
     async def answer(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
         if status >= 400:
             body = refusals.anthropic_body(status, body)
-            headers = with_length(headers, body)
+            headers = refusals.error_headers(status, headers, body)
             status = refusals.status_of(status)
         await self.direct.answer(status, headers, body)
 

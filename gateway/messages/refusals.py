@@ -8,6 +8,7 @@ descriptors, shutting down) is such an overload, so it goes out as 529.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -31,10 +32,23 @@ TYPES = {
     529: "overloaded_error",
 }
 STATUSES = {503: 529}  # the gateway's overload, as Anthropic's API says it
+# Told to the client with every refusal that asking again cannot change (a bad request, a wrong key, an unknown
+# model): Anthropic's SDKs honour it, and Claude Code otherwise retries a 401 for minutes.
+NO_RETRY = (b"x-should-retry", b"false")
+FINAL = frozenset({400, 401, 403, 404, 405, 413, 415})
 
 
 def status_of(status: int) -> int:
     return STATUSES.get(status, status)
+
+
+def error_headers(status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
+    """An error's headers for its rewritten body: the new length, and whether asking again can help."""
+    kept = [(k, v) for k, v in headers if k != b"content-length" and k != b"x-should-retry"]
+    kept.append((b"content-length", str(len(body)).encode()))
+    if status in FINAL:
+        kept.append(NO_RETRY)
+    return kept
 
 
 def error_type(status: int) -> str:

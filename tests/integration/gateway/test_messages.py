@@ -103,6 +103,7 @@ def test_errors_in_anthropics_shape(sim: RunningGateway) -> None:
     sdk = client(sim)
     with pytest.raises(anthropic.NotFoundError) as missing:
         sdk.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.response.headers["x-should-retry"] == "false"  # asking again cannot help
     assert missing.value.body == {
         "type": "error",
         "error": {"type": "not_found_error", "message": "model: nope (not a model of this gateway)"},

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support.gateway import RunningGateway, gateway_thread
+from tests.support.llamacpp import gateway_metric, wait_for
 from tests.support.upstream import Ok, ScriptedUpstream, Status
 
 # Written by hand, as a client may: spacing, key order and cache_control breakpoints that a re-serialisation
@@ -139,3 +140,17 @@ def test_a_native_backends_error_keeps_its_shape(native: tuple[ScriptedUpstream,
     answer = httpx.post(f"{gw.url}/v1/messages", content=BODY, timeout=30)
     assert answer.status_code == 400
     assert answer.json() == error
+
+
+def test_the_providers_prompt_cache_share_is_counted(native: tuple[ScriptedUpstream, RunningGateway]) -> None:
+    """sluice_tokens_total{direction="cache_read"} against direction="input": what Grafana shows as the share."""
+    _, gw = native
+
+    def count(direction: str) -> float:
+        return gateway_metric(gw.url, "sluice_tokens_total", model="native", direction=direction)
+
+    before_read, before_input = count("cache_read"), count("input")
+    assert httpx.post(f"{gw.url}/v1/messages", content=BODY, timeout=30).status_code == 200
+    # The recording upstream reports 21 input tokens not cached and 7 read from its cache: 28 in all.
+    wait_for(lambda: count("cache_read") == before_read + 7, what="cache_read counted")
+    assert count("input") == before_input + 28

@@ -30,6 +30,13 @@ STOP_REASONS = {
 }
 
 
+# A text delta, the event of almost every token: one template rather than a dict serialised each time.
+TEXT_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+    b'"delta":{"type":"text_delta","text":%b}}\n\n'
+)
+
+
 def message_id(chat_id: Any) -> str:
     text = str(chat_id or "")
     return "msg_" + (text.partition("-")[2] or text or "0")
@@ -173,8 +180,7 @@ class StreamTranslator:
             if text:
                 if self.kind != "text":
                     out += self._open("text", {"type": "text", "text": ""})
-                delta_text = {"type": "text_delta", "text": text}
-                out += sse({"type": "content_block_delta", "index": self.block, "delta": delta_text})
+                out += TEXT_DELTA % (self.block, orjson.dumps(text))
             for call in delta.get("tool_calls") or ():
                 out += self._tool(call)
             if choice.get("finish_reason"):

@@ -62,6 +62,9 @@ def parse(endpoint: str, headers: list[tuple[bytes, bytes]], body: bytes, starte
             raise errors.BadRequestError("stream: Input should be a valid boolean", param="stream")
     else:
         data.pop("stream", None)  # counting never streams
+        # What a count costs the rate limiter: its prompt's estimate and one token, not a default completion.
+        # (The body a native backend receives is the client's, without it.)
+        data["max_tokens"] = 1
     system = data.get("system")
     if system is not None and not isinstance(system, (str, list)):
         raise errors.BadRequestError("system: must be a string or an array of text blocks", param="system")

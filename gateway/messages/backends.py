@@ -41,6 +41,12 @@ def estimate(ex: Exchange) -> int:
     return max(len(ex.body) // 4, 1)
 
 
+def thinks(body: dict[str, Any]) -> bool:
+    """Whether the client asked for thinking (`enabled` or `adaptive`)."""
+    thinking = body.get("thinking")
+    return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+
+
 def renamed(body: bytes, given: str, model: str) -> bytes:
     """`body` with its top-level model `given` replaced by `model`, touching no other byte; re-serialised only
     when the value cannot be found once, as written (an escaped name, or the same text elsewhere)."""
@@ -78,9 +84,10 @@ class Canned:
 class WholeAnswer:
     """A whole chat completion, read as a Messages answer."""
 
-    def __init__(self, inner: UpstreamResponse, model: str) -> None:
+    def __init__(self, inner: UpstreamResponse, model: str, thinking: bool) -> None:
         self.inner = inner
         self.model = model
+        self.thinking = thinking
         self.status = inner.status
         self.headers = inner.headers
         self.acquire_ms = inner.acquire_ms
@@ -90,7 +97,7 @@ class WholeAnswer:
     async def read(self) -> bytes:
         body = await self.inner.read()
         try:
-            return whole(body, self.model)
+            return whole(body, self.model, self.thinking)
         except (orjson.JSONDecodeError, AttributeError, TypeError, IndexError):
             return body  # not a chat completion: judged (and refused) as the upstream's nonsense
 
@@ -170,9 +177,10 @@ class Translated(Wrapped):
                 ex.routed = shadow.routed
         if response.status >= 400:
             return response  # the attempt loop judges it; the front door answers it in Anthropic's shape
+        thinking = thinks(ex.json)
         if ex.stream:
-            return StreamAnswer(response, StreamTranslator(ex.model, estimate(ex)))
-        return WholeAnswer(response, ex.model)
+            return StreamAnswer(response, StreamTranslator(ex.model, estimate(ex), thinking))
+        return WholeAnswer(response, ex.model, thinking)
 
 
 class Native(Wrapped):

@@ -6,7 +6,9 @@ soon as it arrives (nothing is held back but an unfinished SSE event at the end 
 with the first chunk; text deltas open a text block, each tool call a tool_use block whose arguments go out as
 input_json_delta; the finish reason becomes message_delta's stop_reason, the usage chunk its usage, and
 `[DONE]` closes the open block, then message_delta and message_stop. An upstream error event becomes an
-Anthropic `error` event.
+Anthropic `error` event. When the client asked for thinking, the model's reasoning (`reasoning_content` or
+`reasoning`, as vLLM, llama.cpp, DeepSeek and Ollama send it) becomes thinking blocks, with an empty signature
+(none can be made here; the translation drops thinking blocks sent back, so it is never checked).
 
 Usage: OpenAI's `prompt_tokens` includes cached tokens, Anthropic's `input_tokens` does not: the cached ones
 (`prompt_tokens_details.cached_tokens`) are reported as `cache_read_input_tokens`.
@@ -35,6 +37,9 @@ TEXT_DELTA = (
     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
     b'"delta":{"type":"text_delta","text":%b}}\n\n'
 )
+
+
+SIGNATURE = {"type": "signature_delta", "signature": ""}
 
 
 def message_id(chat_id: Any) -> str:
@@ -74,12 +79,22 @@ def arguments(raw: Any) -> Any:
     return parsed if isinstance(parsed, dict) else {"_raw": raw}
 
 
-def whole(body: bytes, model: str) -> bytes:
-    """A whole chat completion as a Messages answer (usage last, where the accounting looks for it)."""
+def reasoning_of(part: dict[str, Any]) -> Any:
+    """A chat message's or delta's reasoning text: `reasoning_content` (vLLM, llama.cpp, DeepSeek) or `reasoning`."""
+    found = part.get("reasoning_content")
+    return found if found is not None else part.get("reasoning")
+
+
+def whole(body: bytes, model: str, thinking: bool = False) -> bytes:
+    """A whole chat completion as a Messages answer (usage last, where the accounting looks for it); with
+    `thinking` (the client asked for it), the model's reasoning as a thinking block first."""
     answer = orjson.loads(body)
     choice = (answer.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message) if thinking else None
+    if isinstance(reasoning, str) and reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     text = message.get("content")
     if text:
         content.append({"type": "text", "text": text})
@@ -104,13 +119,14 @@ def whole(body: bytes, model: str) -> bytes:
 class StreamTranslator:
     """One chat stream's translation, fed the upstream's reads in order."""
 
-    def __init__(self, model: str, prompt_estimate: int) -> None:
+    def __init__(self, model: str, prompt_estimate: int, thinking: bool = False) -> None:
         self.model = model
         self.prompt_estimate = prompt_estimate
+        self.thinking = thinking  # the client asked for thinking: the model's reasoning becomes thinking blocks
         self.held = b""
         self.started = False
         self.block = -1  # the index of the open block, -1 when none is open
-        self.kind = ""  # "text" or "tool" for the open block
+        self.kind = ""  # "text", "tool" or "thinking" for the open block
         self.blocks = 0  # blocks opened so far
         self.tools: dict[int, int] = {}  # a chat tool call's index -> its block's index
         self.finish: Any = None
@@ -176,6 +192,12 @@ class StreamTranslator:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            reasoning = reasoning_of(delta) if self.thinking else None
+            if isinstance(reasoning, str) and reasoning:
+                if self.kind != "thinking":
+                    out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                thought = {"type": "thinking_delta", "thinking": reasoning}
+                out += sse({"type": "content_block_delta", "index": self.block, "delta": thought})
             text = delta.get("content")
             if text:
                 if self.kind != "text":
@@ -213,7 +235,10 @@ class StreamTranslator:
     def _close(self) -> bytes:
         if self.block < 0:
             return b""
-        out = sse({"type": "content_block_stop", "index": self.block})
+        out = b""
+        if self.kind == "thinking":  # as Anthropic's API ends a thinking block (no signature can be made here)
+            out += sse({"type": "content_block_delta", "index": self.block, "delta": SIGNATURE})
+        out += sse({"type": "content_block_stop", "index": self.block})
         self.block = -1
         self.kind = ""
         return out

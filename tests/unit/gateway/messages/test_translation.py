@@ -279,3 +279,36 @@ def test_renamed_touches_only_the_model() -> None:
     # The same text elsewhere: no guess at which is the model; written again, the model changed.
     twice = b'{"model": "a", "tools": [{"input_schema": {"model": "a"}}]}'
     assert orjson.loads(renamed(twice, "a", "z")) == {"model": "z", "tools": [{"input_schema": {"model": "a"}}]}
+
+
+def reasoning_stream() -> bytes:
+    def event(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        chunk = {"id": "chatcmpl-r", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    return b"".join(
+        [
+            event({"role": "assistant", "content": ""}),
+            event({"reasoning_content": "Think"}),
+            event({"reasoning_content": "ing."}),
+            event({"content": "Answer."}),
+            event({}, "stop"),
+            b"data: [DONE]\n\n",
+        ]
+    )
+
+
+def test_reasoning_becomes_thinking_only_when_asked_for() -> None:
+    asked = StreamTranslator("pub", 7, thinking=True).feed(reasoning_stream())
+    message = message_events.assemble(asked)
+    assert message is not None
+    assert message["content"] == [
+        {"type": "thinking", "thinking": "Thinking.", "signature": ""},
+        {"type": "text", "text": "Answer."},
+    ]
+    not_asked = message_events.assemble(StreamTranslator("pub", 7).feed(reasoning_stream()))
+    assert not_asked is not None
+    assert not_asked["content"] == [{"type": "text", "text": "Answer."}]
+    answer = {"id": "x", "choices": [{"message": {"content": "A", "reasoning_content": "R"}, "finish_reason": "stop"}]}
+    blocks = orjson.loads(whole(orjson.dumps(answer), "pub", thinking=True))["content"]
+    assert blocks == [{"type": "thinking", "thinking": "R", "signature": ""}, {"type": "text", "text": "A"}]

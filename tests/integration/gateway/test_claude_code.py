@@ -17,6 +17,7 @@ from gateway.simulation.answers import WORDS
 from plugins.auth.keys import new_key
 from tests.support.claude_code import install_or_skip, run
 from tests.support.gateway import RunningGateway, gateway_process
+from tests.support.wait import wait_until
 
 KEY, HASH = new_key()
 CONFIG = f"""
@@ -54,8 +55,9 @@ def test_claude_code_says_ok(claude: Path, gateway: RunningGateway, tmp_path: Pa
     assert answer, done.stderr
     assert all(word in WORDS for word in answer)  # the simulated model's words, as Claude Code printed them
     assert "API Error" not in done.stdout + done.stderr
+    # The access line is written once the last byte has gone, which may be just after Claude Code exits.
+    wait_until(lambda: ("messages", 200) in requests(gateway), what="the access line")
     seen = requests(gateway)
-    assert ("messages", 200) in seen
     failed = [(what, status) for what, status in seen if status >= 400]
     assert failed == [], gateway.log_text()[-4000:]
 
@@ -67,4 +69,5 @@ def test_claude_code_with_a_wrong_key_is_told_so(claude: Path, gateway: RunningG
     done = run(claude, gateway.url, tmp_path, "Say ok", "chat-large", key="sk-not-a-key", timeout=60)
     assert done.returncode != 0
     assert "API Error: 401" in done.stdout + done.stderr
+    wait_until(lambda: len(requests(gateway)) > before, what="the access line")
     assert requests(gateway)[before:] == [("messages", 401)]

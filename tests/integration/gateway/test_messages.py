@@ -13,8 +13,11 @@ from typing import Any
 
 import anthropic
 import httpx
+import orjson
 import pytest
 
+from gateway.app import create_app
+from gateway.config import parse
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.upstream import Raw, ScriptedUpstream, Status
@@ -362,3 +365,40 @@ def test_auth_limits_and_cache(authed: RunningGateway) -> None:
         client(authed, KEY).messages.create(**ask)
     assert limited.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
     assert limited.value.response.headers.get("retry-after")
+
+
+async def test_the_asgi_path_answers_the_same() -> None:
+    """Under another ASGI server (or uvicorn with options the direct path does not take) the app serves the
+    Messages routes itself: the same answers, errors in the same shape."""
+    app = create_app(parse(SIM, "<test config>"))
+    async with app.lifespan(app.site):
+
+        async def call(method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[bytes, bytes], bytes]:
+            data = orjson.dumps(body) if body is not None else b""
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": data, "more_body": False}
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            scope = {"type": "http", "method": method, "path": path, "query_string": b"beta=true", "headers": []}
+            await app(scope, receive, send)
+            head = sent[0]
+            return head["status"], dict(head["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+        ask = {"model": "chat-large", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        status, headers, body = await call("POST", "/v1/messages", ask)
+        assert status == 200
+        assert orjson.loads(body)["usage"]["output_tokens"] == 4
+        assert headers[b"x-sluice-model"] == b"chat-large"
+        status, headers, body = await call("POST", "/v1/messages", {**ask, "stream": True})
+        assert status == 200
+        assert body.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+        status, headers, body = await call("POST", "/v1/messages/count_tokens", {**ask, "model": "nope"})
+        assert status == 404
+        assert orjson.loads(body)["error"]["type"] == "not_found_error"
+        assert headers[b"x-should-retry"] == b"false"
+        status, _, _ = await call("GET", "/v1/messages", None)
+        assert status == 405

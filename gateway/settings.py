@@ -135,6 +135,10 @@ class RemoteBackend(Strict):
 
 class OpenAIBackend(RemoteBackend):
     type: Literal["openai"]
+    # A Messages request translated for this backend gets a `prompt_cache_key` made from its tenant and its
+    # agent's session (x-claude-code-session-id, x-session-id, metadata.user_id), so that one conversation's
+    # turns land on the same prompt cache (gateway/messages/backends.py).
+    prompt_cache_key: bool = True
 
 
 class VLLMBackend(RemoteBackend):

@@ -116,7 +116,7 @@ class Messages:
             if native(backend) and isinstance(provider, HttpProvider):
                 wrappers[name] = Native(provider, getattr(backend, "anthropic_version", None))
             else:
-                wrappers[name] = Translated(provider)
+                wrappers[name] = Translated(provider, getattr(backend, "prompt_cache_key", False))
         self.chains: dict[str, tuple[Target, ...]] = chains(upstreams.chains, wrappers)
         self.kinds = {name: "native" if isinstance(w, Native) else "translated" for name, w in wrappers.items()}
 

@@ -17,6 +17,7 @@ kinds. The pipeline relays what `send` returns as it would any upstream's answer
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 JSON_TYPE = (b"content-type", b"application/json")
 # The client's headers a native backend is given (never its credentials).
 FORWARDED = (b"anthropic-version", b"anthropic-beta")
+# Where agent clients name their session (Claude Code's own header, the generic one).
+SESSION_HEADERS = (b"x-claude-code-session-id", b"x-session-id")
 
 
 def estimate(ex: Exchange) -> int:
@@ -159,13 +162,37 @@ class Wrapped:
         self.health = inner.health  # read by the attempt loop: a backend known down is tried last
 
 
+def session_of(ex: Exchange) -> bytes | None:
+    """The agent's session: its own header, else the Messages request's metadata.user_id."""
+    for header in SESSION_HEADERS:
+        value = ex.header(header)
+        if value:
+            return value
+    metadata = ex.json.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    return user.encode() if isinstance(user, str) and user else None
+
+
+def cache_key(tenant: str, session: bytes) -> str:
+    """A prompt_cache_key for a tenant's session: its hash, so neither name leaves the gateway."""
+    return hashlib.sha256(tenant.encode() + b"\0" + session).hexdigest()[:32]
+
+
 class Translated(Wrapped):
     """An OpenAI-shaped backend answering Messages requests through chat completions."""
+
+    def __init__(self, inner: Provider, keyed: bool = False) -> None:
+        super().__init__(inner)
+        self.keyed = keyed  # give a prompt_cache_key from the tenant and session (OpenAI's prompt_cache_key)
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         if ex.endpoint == COUNT_TOKENS:
             return Canned(200, orjson.dumps({"input_tokens": estimate(ex)}))
         chat = with_top_k(to_chat(ex.json, target.upstream_model), ex.json, self.kind, target.backend)
+        if self.keyed:
+            session = session_of(ex)
+            if session is not None:
+                chat["prompt_cache_key"] = cache_key(ex.tenant, session)
         shadow = Exchange(ex.request_id, "chat/completions", ex.headers, orjson.dumps(chat), chat, ex.started)
         shadow.traceparent = ex.traceparent
         try:

@@ -7,6 +7,7 @@ telemetry headers, errors in Anthropic's shape with the statuses the SDK acts on
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -402,3 +403,15 @@ async def test_the_asgi_path_answers_the_same() -> None:
         assert headers[b"x-should-retry"] == b"false"
         status, _, _ = await call("GET", "/v1/messages", None)
         assert status == 405
+
+
+def test_a_session_gets_an_openai_prompt_cache_key(scripted: tuple[ScriptedUpstream, RunningGateway]) -> None:
+    up, gw = scripted
+    ask = {"model": "gpt", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    client(gw).messages.create(**ask, extra_headers={"x-claude-code-session-id": "session-1"})
+    expected = hashlib.sha256(b"anonymous\0session-1").hexdigest()[:32]
+    assert up.requests[-1].json["prompt_cache_key"] == expected
+    client(gw).messages.create(**ask, metadata={"user_id": "session-1"})
+    assert up.requests[-1].json["prompt_cache_key"] == expected  # the same session, named in the body
+    client(gw).messages.create(**ask)
+    assert "prompt_cache_key" not in up.requests[-1].json  # no session: nothing to key

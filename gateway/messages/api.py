@@ -118,7 +118,9 @@ class Messages:
             else:
                 wrappers[name] = Translated(provider, getattr(backend, "prompt_cache_key", False))
         self.chains: dict[str, tuple[Target, ...]] = chains(upstreams.chains, wrappers)
-        self.kinds = {name: "native" if isinstance(w, Native) else "translated" for name, w in wrappers.items()}
+        native_ones = [name for name, wrapper in wrappers.items() if isinstance(wrapper, Native)]
+        if native_ones:  # said once at start-up: which backends get the client's Messages bytes as they are
+            log.info("messages API: passed through to %s; translated for the others", ", ".join(native_ones))
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         """A request from the ASGI app."""

@@ -168,6 +168,12 @@ class AnthropicBackend(RemoteBackend):
     anthropic_version: str = "2023-06-01"  # sent when the client sent no anthropic-version of its own
     responses_api: bool = False
 
+    @model_validator(mode="after")
+    def _native(self) -> AnthropicBackend:
+        if self.messages_api == "translate":
+            raise ValueError("messages_api: translate is not possible here: an anthropic backend has no chat API")
+        return self
+
 
 class SimulatedBackend(Strict):
     type: Literal["simulated"]

@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.config import load
+from gateway.messages.api import PATHS as MESSAGE_PATHS
 from gateway.pipeline import refusal_line
 from gateway.responses.api import JOB_PREFIX
 from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
@@ -79,8 +80,23 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.runtime: Runtime | None = None
-        models = [{"id": name, "object": "model", "created": 0, "owned_by": "sluice"} for name in settings.models]
-        self.models_body = orjson.dumps({"object": "list", "data": models})
+        # One list for both APIs' clients: OpenAI's fields and Anthropic's (type, display_name, created_at, the
+        # page's first_id, last_id and has_more); each SDK reads its own and ignores the others.
+        models = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "sluice",
+                "type": "model",
+                "display_name": name,
+                "created_at": "1970-01-01T00:00:00Z",
+            }
+            for name in settings.models
+        ]
+        names = list(settings.models)
+        page = {"has_more": False, "first_id": names[0] if names else None, "last_id": names[-1] if names else None}
+        self.models_body = orjson.dumps({"object": "list", "data": models, **page})
         # Who sees the admin routes (/status, /metrics, /readyz's detail: addresses, tenants, usage), decided
         # once: on a listener of their own if `admin.port` is set; else on the tenants' port behind
         # `admin.token`, or open there only when that port is loopback (the quickstart, nobody else can reach it).
@@ -93,6 +109,8 @@ class Gateway:
         self.direct_routes: dict[bytes, Handler] = {
             path.encode(): functools.partial(self.direct, endpoint, None) for path, endpoint in ENDPOINTS.items()
         }
+        for path, endpoint in MESSAGE_PATHS.items():  # Anthropic's Messages API (gateway/messages)
+            self.direct_routes[path.encode()] = functools.partial(self.messages_direct, endpoint)
         errors_handled = {HTTPException: self.http_error}
         routes = [
             Route("/healthz", self.healthz),
@@ -100,6 +118,8 @@ class Gateway:
             Route("/v1/models", self.list_models),
             Route("/models", self.list_models),
             Route("/openai/v1/models", self.list_models),
+            # Claude Code's reachability check on its base URL (HEAD /api/hello), answered like Anthropic's API.
+            Route("/api/hello", self.healthz, methods=["GET", "HEAD"]),
         ]
         if self.admin_here:
             routes += [Route("/status", self.status), Route("/metrics", self.metrics)]
@@ -141,6 +161,10 @@ class Gateway:
                 else:
                     await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
                 return
+            messages = MESSAGE_PATHS.get(path)
+            if messages is not None:
+                await self.messages(scope, receive, send, messages)
+                return
             jobs = path.startswith(JOB_PREFIX)
             if jobs or path.startswith(RESPONSE_PREFIXES):
                 runtime = self.runtime
@@ -171,6 +195,25 @@ class Gateway:
             await send_error(cycle.send, error, cycle.request_id)
         else:
             await runtime.pipeline.handle_direct(cycle, endpoint, deployment)
+
+    async def messages_direct(self, endpoint: str, cycle: Direct) -> None:
+        runtime = self.runtime
+        if runtime is None:
+            await send_error(cycle.send, errors.ServiceUnavailableError("gateway is starting"), cycle.request_id)
+        else:
+            await runtime.messages.handle_direct(endpoint, cycle)
+
+    async def messages(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
+        """Anthropic's Messages API under ASGI: POST only, like every proxy route."""
+        runtime = self.runtime
+        if scope["method"] != "POST":
+            error: errors.GatewayError = errors.MethodNotAllowedError(f"{scope['method']} is not allowed here")
+            error.headers = [(b"allow", b"POST")]
+            await send_error(send, error, request_id(scope["headers"]))
+        elif runtime is None:
+            await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
+        else:
+            await runtime.messages.handle(scope, receive, send, endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:

@@ -169,6 +169,8 @@ class Pipeline:
         if self.access is not None:
             refusal_line(self.access, endpoint, error, rid, started, model)
 
+    refuse = _reject  # for a front door that parses its own requests (gateway/messages)
+
     async def _serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None) -> None:
         outcome = Outcome.begun()
         task = asyncio.current_task()

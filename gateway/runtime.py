@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from gateway import __version__
+from gateway.messages.api import Messages
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.responses.api import Responses
@@ -44,6 +45,7 @@ class Runtime:
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.decisions)
         self.pipeline.route = self.responses.route
         self.pipeline.admit = self.responses.admit
+        self.messages = Messages(settings, self.upstreams, self.pipeline)
         self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 

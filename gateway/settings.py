@@ -101,6 +101,10 @@ class RemoteBackend(Strict):
     tls: TlsSettings = TlsSettings()
     headers: dict[str, str] = {}  # sent upstream on every request, e.g. OpenAI-Organization
     timeouts: Timeouts = Timeouts()
+    # How Anthropic's Messages API (POST /v1/messages) reaches this backend: passed through to its own
+    # /messages ("native"), or translated to chat completions ("translate"). Default: native for the anthropic
+    # and llamacpp types, translate for the others (gateway/messages/backends.py).
+    messages_api: Literal["native", "translate"] | None = None
 
     @model_validator(mode="after")
     def _where(self) -> RemoteBackend:
@@ -131,6 +135,10 @@ class RemoteBackend(Strict):
 
 class OpenAIBackend(RemoteBackend):
     type: Literal["openai"]
+    # A Messages request translated for this backend gets a `prompt_cache_key` made from its tenant and its
+    # agent's session (x-claude-code-session-id, x-session-id, metadata.user_id), so that one conversation's
+    # turns land on the same prompt cache (gateway/messages/backends.py).
+    prompt_cache_key: bool = True
 
 
 class VLLMBackend(RemoteBackend):
@@ -155,6 +163,18 @@ class AzureBackend(RemoteBackend):
     api_version: str = "2024-10-21"
 
 
+class AnthropicBackend(RemoteBackend):
+    type: Literal["anthropic"]  # Anthropic's API, or one that speaks it: the Messages API only
+    anthropic_version: str = "2023-06-01"  # sent when the client sent no anthropic-version of its own
+    responses_api: bool = False
+
+    @model_validator(mode="after")
+    def _native(self) -> AnthropicBackend:
+        if self.messages_api == "translate":
+            raise ValueError("messages_api: translate is not possible here: an anthropic backend has no chat API")
+        return self
+
+
 class SimulatedBackend(Strict):
     type: Literal["simulated"]
     responses_api: bool = True
@@ -164,7 +184,14 @@ class SimulatedBackend(Strict):
 
 
 Backend = Annotated[
-    OpenAIBackend | AzureBackend | VLLMBackend | TGIBackend | LlamaCppBackend | OllamaBackend | SimulatedBackend,
+    OpenAIBackend
+    | AzureBackend
+    | VLLMBackend
+    | TGIBackend
+    | LlamaCppBackend
+    | OllamaBackend
+    | AnthropicBackend
+    | SimulatedBackend,
     Field(discriminator="type"),
 ]
 

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 
+import anthropic
 import openai
 import pytest
 import redis
@@ -79,19 +80,25 @@ def cluster() -> Iterator[RedisCluster]:
 
 @pytest.fixture(autouse=True)
 def close_sdk_clients(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Close every sync `openai` client a test made, when it ends.
+    """Close every sync `openai` and `anthropic` client a test made, when it ends.
 
     Tests make SDK clients freely, as users do; an unclosed one leaves sockets for the garbage collector,
     whose ResourceWarning (an error here) would then surface in whichever test happens to run next.
     """
-    made: list[openai.OpenAI] = []
+    made: list[openai.OpenAI | anthropic.Anthropic] = []
     original = openai.OpenAI.__init__
+    original_anthropic = anthropic.Anthropic.__init__
 
     def init(self: openai.OpenAI, *args: object, **kwargs: object) -> None:
         original(self, *args, **kwargs)  # type: ignore[arg-type]
         made.append(self)
 
+    def init_anthropic(self: anthropic.Anthropic, *args: object, **kwargs: object) -> None:
+        original_anthropic(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
     monkeypatch.setattr(openai.OpenAI, "__init__", init)
+    monkeypatch.setattr(anthropic.Anthropic, "__init__", init_anthropic)
     yield
     for client in made:
         client.close()

@@ -8,9 +8,10 @@ misses, `concurrency` in flight, then off again and the count dumped. The helper
 Redis, the OTLP sink) and this load client run natively, outside the count.
 
 Configurations: bare (no plugins), each stage added alone (auth, rate_limit, cache, slo, tracing at 0.1), and
-every stage on (`full`). Each gateway is started from this source tree's own directory (`python -m` puts the
-working directory first on `sys.path`, so a gateway started elsewhere would run whatever tree is there), and
-the harness checks where it runs before it counts.
+every stage on (`full`); and `messages`: the bare gateway sent the same requests on Anthropic's Messages API,
+so that the translation's cost is its own line. Each gateway is started from this source tree's own directory
+(`python -m` puts the working directory first on `sys.path`, so a gateway started elsewhere would run whatever
+tree is there), and the harness checks where it runs before it counts.
 
 The CI budget (tests/integration/gateway/test_budget.py, bench/budget.toml) counts bare and full the same way.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import orjson
 import yaml
 
 from gateway.upstream.pool import Pool
@@ -44,7 +47,7 @@ from tools.bench_fleet import (
     start_sink,
     wait_redis,
 )
-from tools.bench_load import CLIENT_LIMITS, JSON_HEADERS, send_all, unique_workload, wait_ready
+from tools.bench_load import CLIENT_LIMITS, JSON_HEADERS, Workload, send_all, unique_workload, wait_ready
 
 T = TypeVar("T")
 NAME = "instructions"
@@ -53,8 +56,17 @@ STAGES = ("auth", "rate_limit", "cache", "slo", "tracing")
 PLUGINS = ("auth", "rate_limit", "cache", "slo")  # in the order the pipeline runs them
 BARE: tuple[str, ...] = ()
 FULL = STAGES
-# Each configuration's stages: bare, each stage added alone, every stage on.
-CONFIGURATIONS: dict[str, tuple[str, ...]] = {"bare": BARE, **{f"+{s}": (s,) for s in STAGES}, "full": FULL}
+# Each configuration's stages: bare, each stage added alone, every stage on; and `messages`, the bare gateway
+# sent the same prompts as Anthropic Messages requests (translated to chat completions and back).
+MESSAGES = "messages"
+CONFIGURATIONS: dict[str, tuple[str, ...]] = {
+    "bare": BARE,
+    **{f"+{s}": (s,) for s in STAGES},
+    "full": FULL,
+    MESSAGES: BARE,
+}
+MESSAGES_PATH = b"/v1/messages"
+MESSAGES_ANSWER = re.compile(rb'"text_delta"|"type":"text"')
 TOKENS = 5
 START_TIMEOUT_S = 180.0  # a gateway starts many times slower under valgrind than natively
 CONTROL_TIMEOUT_S = 120.0
@@ -221,12 +233,13 @@ async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Coun
     try:
         await wait_ready(child, pool, b"/readyz", time.monotonic() + START_TIMEOUT_S)
         check_tree(child.popen.pid)
-        await load(pool, headers, counting.warmup, counting.concurrency)
+        messages = name == MESSAGES
+        await load(pool, headers, counting.warmup, counting.concurrency, messages)
         for _ in range(repeats):
             before = dumps(workdir)
             control(child.popen.pid, "-z")
             control(child.popen.pid, "-i", "on")
-            await load(pool, headers, counting.requests, counting.concurrency)
+            await load(pool, headers, counting.requests, counting.concurrency, messages)
             control(child.popen.pid, "-i", "off")
             control(child.popen.pid, "-d")
             counts.append(Count(name, tuple(stages), counting.requests, dumped_total(workdir, before)))
@@ -236,9 +249,14 @@ async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Coun
     return counts
 
 
-async def load(pool: Pool, headers: bytes, requests: int, concurrency: int) -> None:
-    """`requests` non-stream prompts never sent before (cache misses), `concurrency` at a time; all must succeed."""
+async def load(pool: Pool, headers: bytes, requests: int, concurrency: int, messages: bool = False) -> None:
+    """`requests` non-stream prompts never sent before (cache misses), `concurrency` at a time; all must succeed.
+    With `messages`, the same prompts as Anthropic Messages requests."""
     work = unique_workload("fast", False, TOKENS, requests, headers)
+    if messages:
+        made = [orjson.loads(body) for body in work.bodies]
+        bodies = tuple(orjson.dumps({**body, "max_tokens": TOKENS}) for body in made)
+        work = Workload(MESSAGES_PATH, bodies, False, headers, answer=MESSAGES_ANSWER)
     samples = await send_all(pool, work, concurrency)
     if samples.errors or len(samples.latency) != requests:
         raise BenchError(f"{samples.errors} of {requests} requests failed while counting instructions")

@@ -36,6 +36,7 @@ from gateway.plugin import Outcome, Tap
 from gateway.upstream.pool import PoolError, ReadTimeout
 from gateway.wire.marks import (
     CHAT_RULES,
+    MESSAGES_RULES,
     NULL_USAGE,
     NULL_USAGE_SPACED,
     SPACE,
@@ -67,11 +68,43 @@ def find_usage(data: bytes) -> dict[str, Any] | None:
     if span is None:
         return None
     usage = _usage_object(data[span[0] : span[1]])
-    if usage is not None and "input_tokens" in usage and "prompt_tokens" not in usage:
-        # The Responses API's names; the chat names are added so that every reader of usage sees one shape.
-        usage["prompt_tokens"] = usage["input_tokens"]
+    return counted(usage) if usage is not None else None
+
+
+def counted(usage: dict[str, Any]) -> dict[str, Any]:
+    """`usage` with the chat names added, so that every reader of usage sees one shape.
+
+    The Responses API counts cached tokens in `input_tokens` and says `total_tokens`; Anthropic's Messages API
+    counts the prompt in three parts (`input_tokens` not cached, `cache_read_input_tokens`,
+    `cache_creation_input_tokens`) and says no total.
+    """
+    if "prompt_tokens" in usage or not ("input_tokens" in usage or "output_tokens" in usage):
+        return usage
+    if "total_tokens" in usage:
+        usage["prompt_tokens"] = usage.get("input_tokens")
         usage["completion_tokens"] = usage.get("output_tokens")
+        return usage
+    parts = (usage.get(key) for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+    prompt = sum(part for part in parts if type(part) is int)
+    output = usage.get("output_tokens")
+    usage["prompt_tokens"] = prompt
+    if type(output) is int:
+        usage["completion_tokens"] = output
+        usage["total_tokens"] = prompt + output
     return usage
+
+
+def messages_usage(first: bytes, tail: bytes) -> dict[str, Any] | None:
+    """A Messages stream's usage: message_start's (the prompt), updated by the last message_delta's (the output;
+    Anthropic's API repeats the prompt there, llama.cpp's does not)."""
+    merged: dict[str, Any] = {}
+    for _, opening, closing in usages(first):
+        merged.update(_usage_object(first[opening:closing]) or {})
+        break
+    span = last_usage(tail)
+    if span is not None:
+        merged.update(_usage_object(tail[span[0] : span[1]]) or {})
+    return counted(merged) if merged else None
 
 
 def all_choices_usage(body: bytes, usage: dict[str, Any]) -> dict[str, Any]:
@@ -313,7 +346,10 @@ async def relay_stream(
         for tap in taps:
             tap(b"")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    account(outcome, tally.usage if scan else find_usage(tail), chunks, events, usage_mode, choices)
+    final = tally.usage if scan else find_usage(tail)
+    if rules is MESSAGES_RULES:  # the prompt's count comes in the first event, the output's in the last
+        final = messages_usage(first, tail)
+    account(outcome, final, chunks, events, usage_mode, choices)
     timing(outcome, started, first_token_at, last_at, choices)
 
 

@@ -104,9 +104,10 @@ NO_USAGE: dict[str, Any] = {}  # never changed
 
 
 # One request's values as record() keeps them: (status, duration, ttft, tpot, upstream, overhead in ms, input
-# tokens, output tokens). A histogram's None is no observation (overhead: 0 or less is none); token counts are
-# as the usage reported them, if at all, and only positive integers count.
-Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any]
+# tokens, output tokens, of the input those read from the provider's prompt cache and those written to it). A
+# histogram's None is no observation (overhead: 0 or less is none); token counts are as the usage reported
+# them, if at all, and only positive integers count.
+Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any, Any, Any]
 SECONDS = (1000.0).__rtruediv__  # ms -> ms / 1000.0, in C
 KEEP = (  # per histogram of HISTOGRAMS: which of a column's values it observes, tested in C
     partial(is_not, None),
@@ -142,11 +143,11 @@ class Series:
     def observe_traced(self, row: Row, exemplar: dict[str, str]) -> Row:
         """A request with an exemplar (its trace id): its observations put on their buckets with it at once, and
         the rest of its row (status, tokens) returned to wait."""
-        status, duration, ttft, tpot, upstream, overhead, prompt, completion = row
+        status, duration, ttft, tpot, upstream, overhead, *counts = row
         for name, keep, ms in zip(HISTOGRAMS, KEEP, (duration, ttft, tpot, upstream, overhead), strict=True):
             if ms is not None and keep(ms):
                 self._child(name).observe(ms / 1000.0, exemplar)
-        return (status, None, None, None, None, 0.0, prompt, completion)
+        return (status, None, None, None, None, 0.0, *counts)
 
     def flush(self) -> None:
         """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
@@ -154,7 +155,7 @@ class Series:
         rows = self.rows
         if not rows:
             return
-        statuses, *observed, prompts, completions = zip(*rows, strict=True)
+        statuses, *observed, prompts, completions, reads, writes = zip(*rows, strict=True)
         rows.clear()
         for name, keep, column in zip(HISTOGRAMS, KEEP, observed, strict=True):
             values = list(map(SECONDS, filter(keep, column)))
@@ -167,7 +168,12 @@ class Series:
                 label = str(status) if status else CLIENT_CLOSED
                 child = children[status] = self.metrics.requests.labels(*self.labels, label)
             child.inc(n)
-        for direction, column in (("input", prompts), ("output", completions)):
+        for direction, column in (
+            ("input", prompts),
+            ("output", completions),
+            ("cache_read", reads),
+            ("cache_write", writes),
+        ):
             n = tokens(column)
             if n:
                 child = children.get(direction)
@@ -193,6 +199,19 @@ def add(child: Any, values: list[float]) -> None:
     buckets = child._buckets  # the last bound is +Inf: every other value has a bucket
     for at, n in Tally(map(partial(bisect.bisect_left, child._upper_bounds), values)).items():
         buckets[at].inc(n)
+
+
+def prompt_cache(usage: dict[str, Any]) -> tuple[Any, Any]:
+    """Of a request's input tokens, those the provider read from its prompt cache and those it wrote to it:
+    Anthropic's `cache_read_input_tokens` and `cache_creation_input_tokens`, OpenAI's (and llama.cpp's, vLLM's)
+    `prompt_tokens_details.cached_tokens` (which has no written count)."""
+    read = usage.get("cache_read_input_tokens")
+    if read is None:
+        details = usage.get("prompt_tokens_details")
+        if details is not None:
+            read = details.get("cached_tokens") if type(details) is dict else None
+        return read, None
+    return read, usage.get("cache_creation_input_tokens")
 
 
 def tokens(column: tuple[Any, ...]) -> int:
@@ -273,7 +292,8 @@ class Metrics:
         )
         self.tokens = Counter(
             "sluice_tokens_total",
-            "Tokens reported in upstream usage, by direction (input or output).",
+            "Tokens reported in upstream usage, by direction: input, output, and of the input those read from "
+            "(cache_read) and written to (cache_write) the provider's prompt cache.",
             (*names[:4], "direction"),
             registry=registry,
         )
@@ -375,6 +395,7 @@ class Metrics:
             ex.overhead_ms,
             usage.get("prompt_tokens"),
             usage.get("completion_tokens"),
+            *prompt_cache(usage),
         )
         # Exemplars only where they can be shown: the multiprocess files do not keep them.
         if trace_id is not None and self.exemplars:

@@ -30,8 +30,9 @@ OPERATIONS = {
     "completions": "text_completion",
     "embeddings": "embeddings",
     "responses": "chat",
+    "messages": "chat",  # Anthropic's Messages API
 }
-ROUTES = {endpoint: f"/v1/{endpoint}" for endpoint in OPERATIONS}
+ROUTES = {endpoint: f"/v1/{endpoint}" for endpoint in (*OPERATIONS, "messages/count_tokens")}
 # Request fields recorded on the inference span (GenAI conventions, "recommended").
 REQUEST_FIELDS = (
     ("max_tokens", "gen_ai.request.max_tokens"),

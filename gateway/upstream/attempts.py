@@ -23,6 +23,7 @@ from gateway.simulation.answers import Profile
 from gateway.upstream import pool
 from gateway.upstream.descriptors import soft_limit
 from gateway.upstream.pool import DescriptorsExhausted, PoolError, PoolTimeout
+from gateway.upstream.providers.anthropic import AnthropicProvider
 from gateway.upstream.providers.azure import AzureProvider
 from gateway.upstream.providers.http import HttpProvider
 from gateway.upstream.providers.llamacpp import LlamaCppProvider
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.upstream")
 
-RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+RETRYABLE = frozenset({408, 429, 500, 502, 503, 504, 529})  # 529: Anthropic's API is overloaded
 ERROR_BODY_LIMIT = 64 * 1024
 # An upstream's advice the client's SDK acts on (its retry back-off), kept when its error is passed on.
 PASSED_ON_ERROR = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry"})
@@ -98,6 +99,8 @@ def build_provider(name: str, settings: Settings) -> Provider:
         return LlamaCppProvider(name, backend, settings.pool)
     if backend.type == "ollama":
         return OllamaProvider(name, backend, settings.pool)
+    if backend.type == "anthropic":
+        return AnthropicProvider(name, backend, settings.pool)
     return OpenAIProvider(name, backend, settings.pool)
 
 

@@ -60,6 +60,9 @@ def prompt_blocks(body: dict[str, Any], ends: list[int]) -> Blocks:
     """
     answered = 0  # where the prompt that the last assistant message answered ends
     messages = body.get("messages")
+    system = body.get("system")  # Anthropic's Messages API keeps the system prompt beside the messages
+    if system is not None and isinstance(messages, list):
+        messages = [{"role": "system", "content": system}, *messages]
     if isinstance(messages, list):
         text, answered = _chat_text(messages)
     else:

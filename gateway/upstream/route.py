@@ -80,6 +80,11 @@ class LeastOutstanding:
         return None
 
 
+# Headers in which agent clients send their session's id, recognised after the configured `session_header`:
+# Claude Code's, and the generic one (the default `session_header`, also looked at when another is configured).
+AGENT_SESSION_HEADERS = (b"x-claude-code-session-id", b"x-session-id")
+
+
 class Session:
     name: ClassVar[str] = "session"
 
@@ -90,7 +95,14 @@ class Session:
     def key(self, ex: Exchange) -> bytes | None:
         value = ex.header(self.header)
         if value is None:
+            for header in AGENT_SESSION_HEADERS:  # agent clients name their sessions themselves
+                value = ex.header(header)
+                if value is not None:
+                    return value
             user = ex.json.get("user")
+            if user is None:  # Anthropic's Messages API: metadata.user_id (Claude Code's holds its session)
+                metadata = ex.json.get("metadata")
+                user = metadata.get("user_id") if isinstance(metadata, dict) else None
             value = user.encode() if isinstance(user, str) and user else None
         return value
 

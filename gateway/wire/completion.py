@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gateway.wire import response_events
+from gateway.wire import message_events, response_events
 
 
 def sse(data: bytes) -> bytes:
@@ -50,6 +50,8 @@ def assemble(endpoint: str, body: bytes) -> dict[str, Any] | None:
     """The whole answer a complete SSE body adds up to, in the non-stream shape; None if incomplete."""
     if endpoint == "responses":
         return response_events.assemble(body)
+    if endpoint == "messages":
+        return message_events.assemble(body)
     chunks, done = events(body)
     if not done or not chunks or any("error" in chunk for chunk in chunks):
         return None
@@ -103,6 +105,9 @@ def finished(endpoint: str, body: bytes, usage: dict[str, Any] | None) -> bytes 
     if endpoint == "responses":
         if answer.get("status") != "completed":
             return None
+    elif endpoint == "messages":
+        if not answer.get("stop_reason"):
+            return None
     elif not all(c.get("finish_reason") for c in answer.get("choices") or [{}]):
         return None
     if answer.get("usage") is None and usage is not None:
@@ -144,6 +149,8 @@ def replay(endpoint: str, answer: dict[str, Any], include_usage: bool) -> bytes:
     """A stored answer as the SSE body a live stream of it would have been."""
     if endpoint == "responses":
         return response_events.replay(answer)
+    if endpoint == "messages":
+        return message_events.replay(answer)  # a Messages stream always carries its usage
     chat = endpoint == "chat/completions"
     head = {
         "id": answer.get("id", ""),

@@ -49,8 +49,14 @@ RESPONSES_RULES = StreamRules(
 )
 
 
+# Anthropic's Messages streams: the first output is a content block's delta (text, a tool's input, thinking), and
+# the stream ends with message_stop.
+MESSAGES_RULES = StreamRules(re.compile(rb"content_block_delta"), re.compile(rb"message_stop"), "message_stop")
+RULES = {"responses": RESPONSES_RULES, "messages": MESSAGES_RULES, "messages/count_tokens": MESSAGES_RULES}
+
+
 def stream_rules(endpoint: str) -> StreamRules:
-    return RESPONSES_RULES if endpoint == "responses" else CHAT_RULES
+    return RULES.get(endpoint, CHAT_RULES)
 
 
 def usages(data: bytes, start: int = 0) -> Iterator[tuple[int, int, int]]:

@@ -72,13 +72,14 @@ def digest(key: str | bytes) -> str:
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The key from `Authorization: Bearer KEY` or `api-key: KEY` (AzureOpenAI sends both)."""
+    """The key from `Authorization: Bearer KEY`, `api-key: KEY` (AzureOpenAI sends both) or `x-api-key: KEY`
+    (Anthropic's SDKs and Claude Code): the first of them in the request's order."""
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
-        elif name == b"api-key" and value.strip():
+        elif (name == b"api-key" or name == b"x-api-key") and value.strip():
             return value.strip()
     return None
 
@@ -144,7 +145,8 @@ class Auth:
         if key is None:
             if self.required:
                 raise AuthenticationError(
-                    "You didn't provide an API key: send it as 'Authorization: Bearer KEY' or 'api-key: KEY'."
+                    "You didn't provide an API key: send it as 'Authorization: Bearer KEY', 'api-key: KEY' "
+                    "or 'x-api-key: KEY'."
                 )
             return
         known = self.presented.get(key)

@@ -398,6 +398,9 @@ class _Connection(asyncio.Protocol):
 
     async def _ok(self, request: Recorded, kind: str, ok: Ok) -> None:
         await _sleep(ok.headers_ms)
+        if kind in ("messages", "count_tokens"):
+            await self._messages(request, kind, ok)
+            return
         if kind == "responses":
             await self._responses(request, ok)
             return
@@ -413,6 +416,45 @@ class _Connection(asyncio.Protocol):
             return
         for delay, event in events:
             await _sleep(delay)
+            await self._write(_chunk(event))
+        await self._write(b"0\r\n\r\n")
+
+    async def _messages(self, request: Recorded, kind: str, ok: Ok) -> None:
+        """Anthropic's Messages API, as a native backend (llama.cpp, Anthropic) answers it."""
+        body = _body(request)
+        if kind == "count_tokens":
+            await self._write(_json_answer(200, {"input_tokens": _words(body.get("messages")) + 7}))
+            return
+        pieces = _pieces(ok)
+        usage = {"input_tokens": 21, "cache_read_input_tokens": 7, "output_tokens": len(pieces)}
+        message: dict[str, Any] = {
+            "id": "msg_scripted",
+            "type": "message",
+            "role": "assistant",
+            "model": body.get("model"),
+            "content": [{"type": "text", "text": "".join(pieces)}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        if body.get("stream") is not True:
+            await _sleep(ok.ttft_ms)
+            await self._write(_json_answer(200, message))
+            return
+        # As llama.cpp streams it: the prompt's usage in message_start, the output's alone in message_delta.
+        opening = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}
+        events = [_event("message_start", {"message": opening})]
+        events.append(_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+        for piece in pieces:
+            delta = {"type": "text_delta", "text": piece}
+            events.append(_event("content_block_delta", {"index": 0, "delta": delta}))
+        events.append(_event("content_block_stop", {"index": 0}))
+        final = {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": len(pieces)}}
+        events.append(_event("message_delta", final))
+        events.append(_event("message_stop", {}))
+        await self._write(_STREAM_HEAD)
+        for i, event in enumerate(events):
+            await _sleep(ok.ttft_ms if i == 1 else ok.tpot_ms if i > 1 else 0)
             await self._write(_chunk(event))
         await self._write(b"0\r\n\r\n")
 
@@ -453,6 +495,8 @@ def _kind(path: str) -> str | None:
         ("/completions", "completions"),
         ("/embeddings", "embeddings"),
         ("/responses", "responses"),
+        ("/messages", "messages"),
+        ("/messages/count_tokens", "count_tokens"),
     )
     for suffix, kind in kinds:
         if path.endswith(suffix):
@@ -465,6 +509,11 @@ def _parse_json(body: bytes) -> Any:
         return jsonlib.loads(body) if body else None
     except ValueError:
         return None
+
+
+def _event(kind: str, fields: dict[str, Any]) -> bytes:
+    """One event of Anthropic's Messages stream."""
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), jsonlib.dumps({"type": kind, **fields}).encode())
 
 
 def _chunk(data: bytes) -> bytes:

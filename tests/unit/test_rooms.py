@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RANKS = {
     "top": 9,  # app, cli, runtime, config, pipeline
     "responses": 8,
+    "messages": 8,  # Anthropic's Messages API: a front door beside the Responses API, using the rooms below
     "server": 7,
     "upstream": 6,
     "simulation": 5,

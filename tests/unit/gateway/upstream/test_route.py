@@ -253,3 +253,29 @@ def test_the_routing_bench_is_a_scenario_of_its_own() -> None:
 
     assert bench.scenario_names("core,routing") == ("core", "routing")
     assert "routing" not in bench.scenario_names("all")  # it needs its own replicas and minutes
+
+
+def test_an_anthropic_system_prompt_is_part_of_the_prefix() -> None:
+    ends = block_ends(256, 8)
+    system = "You are a coding agent. " * 40
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    anthropic = prompt_blocks({"model": "m", "system": system, "messages": messages}, ends)
+    chat_form = prompt_blocks({"model": "m", "messages": [{"role": "system", "content": system}, *messages]}, ends)
+    assert anthropic == chat_form
+    assert prompt_blocks({"model": "m", "messages": messages}, ends) != anthropic
+
+
+def test_sessions_are_found_in_agent_clients_own_headers_and_metadata() -> None:
+    from gateway.context import Exchange
+
+    policy = Session("x-my-session", 3.0)
+
+    def key(headers: list[tuple[bytes, bytes]], body: dict[str, Any]) -> bytes | None:
+        return policy.key(Exchange("r", "messages", headers, b"", {"model": "m", **body}, 0.0))
+
+    assert key([(b"x-my-session", b"a"), (b"x-claude-code-session-id", b"b")], {}) == b"a"
+    assert key([(b"x-claude-code-session-id", b"b")], {"user": "u"}) == b"b"
+    assert key([(b"x-session-id", b"c")], {}) == b"c"
+    assert key([], {"user": "u"}) == b"u"
+    assert key([], {"metadata": {"user_id": "user_1_session_2"}}) == b"user_1_session_2"
+    assert key([], {}) is None

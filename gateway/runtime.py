@@ -11,6 +11,7 @@ from gateway import __version__
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.responses.api import Responses
+from gateway.responses.sockets import Sockets
 from gateway.server.collector import Collector
 from gateway.settings import Settings
 from gateway.state.resp import parse_url
@@ -41,6 +42,7 @@ class Runtime:
         self.responses = Responses(settings, self.upstreams, self.pipeline, self.store)
         self.pipeline.route = self.responses.route
         self.pipeline.admit = self.responses.admit
+        self.sockets = Sockets(settings, self.pipeline, self.meter)  # the Responses API's WebSocket mode
         self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 

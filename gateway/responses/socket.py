@@ -70,13 +70,14 @@ def error_event(error: errors.GatewayError) -> str:
     return orjson.dumps(event).decode()
 
 
-def as_items(given: Any) -> list[Any]:
-    """A create's `input` as a list of items: a string is one user message."""
+def as_items(given: Any) -> list[Any] | None:
+    """A create's `input` as a list of items (a string is one user message); None for what is not an input,
+    which request parsing refuses."""
     if given is None:
         return []
     if isinstance(given, str):
         return [{"type": "message", "role": "user", "content": given}]
-    return list(given)
+    return list(given) if isinstance(given, list) else None
 
 
 class Last:
@@ -258,6 +259,10 @@ class Session:
                 self.running = True
                 try:
                     await self._turn(text)
+                except Exception:
+                    # A bug must cost one turn, never the socket: the client gets an error event, the log the trace.
+                    log.exception("websocket %s: turn %d failed inside the gateway", self.ident, self.turns)
+                    await self._refuse(errors.GatewayError("internal gateway error", code="internal_error"))
                 finally:
                     self.running = False
                 if self.draining and not self.gone.done():
@@ -301,12 +306,14 @@ class Session:
         items: list[Any] | None = None
         previous = body.get("previous_response_id")
         last = self.last
+        given = as_items(body.get("input"))
         if previous is not None and last is not None and previous == last.ident and last.items is not None:
-            items = last.items + as_items(body.get("input"))
-            body["input"] = items
-            del body["previous_response_id"]  # expanded here: the upstream needs no stored chain
+            if given is not None:
+                items = last.items + given
+                body["input"] = items
+                del body["previous_response_id"]  # expanded here: the upstream needs no stored chain
         elif previous is None:
-            items = as_items(body.get("input"))
+            items = given
         if body.get("generate") is False:
             await self._warm(body, items)
             return

@@ -402,4 +402,3 @@ class Session:
         ex.attributes["sluice.transport"] = "websocket"
         ex.attributes["sluice.socket"] = self.ident
         ex.attributes["sluice.turn"] = self.turns
-

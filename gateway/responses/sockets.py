@@ -175,4 +175,3 @@ class Sockets:
                 await session._refuse(exc)
                 return
         await pipeline.serve(ex, receive, send)
-

@@ -58,7 +58,8 @@ def test_codex_exec_runs_its_turns_over_the_websocket(codex: Path, tmp_path: Pat
         run_codex(codex, home, tmp_path, "login", "--with-api-key", stdin=KEY)
         output = run_codex(codex, home, tmp_path, "exec", "--skip-git-repo-check", "Say ok")
         assert "Reconnecting" not in output
-        assert "Falling back" not in output and "HTTPS transport" not in output
+        assert "Falling back" not in output
+        assert "HTTPS transport" not in output
         assert "tokens used" in output  # it finished a turn
 
         def turns() -> list[str]:
@@ -69,5 +70,8 @@ def test_codex_exec_runs_its_turns_over_the_websocket(codex: Path, tmp_path: Pat
         assert all("sluice.transport=websocket" in line and "tenant=acme" in line for line in lines)
         assert "(websocket) 4" not in gw.log_text()  # no refused upgrade
         metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
-        counted = [line for line in metrics.splitlines() if line.startswith('sluice_websocket_turns_total{tenant="acme"}')]
-        assert counted and float(counted[0].split()[-1]) >= 1
+        counted = [
+            line for line in metrics.splitlines() if line.startswith('sluice_websocket_turns_total{tenant="acme"}')
+        ]
+        assert counted
+        assert float(counted[0].split()[-1]) >= 1

@@ -14,6 +14,7 @@ import openai
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
+from websockets.sync.connection import Connection
 
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
@@ -61,13 +62,13 @@ def socket(gw: RunningGateway, key: str = KEY, path: str = "/v1/responses", **he
     return connect(ws_url(gw, path), additional_headers=sent, open_timeout=WAIT_S, max_size=None)
 
 
-def turn(ws: ClientConnection, **body: Any) -> list[dict[str, Any]]:
+def turn(ws: Connection, **body: Any) -> list[dict[str, Any]]:
     """One response.create and every event up to its end: response.completed/failed/incomplete or an error."""
     ws.send(json.dumps({"type": "response.create", **body}))
     return events_until_end(ws)
 
 
-def events_until_end(ws: ClientConnection) -> list[dict[str, Any]]:
+def events_until_end(ws: Connection) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     while True:
         event = json.loads(ws.recv(timeout=WAIT_S))
@@ -100,15 +101,18 @@ def test_the_sdk_runs_turns_that_continue_from_the_connection_s_last_response(
         again = sdk_turn(conn)[-1].response
     kinds = [event.type for event in first]
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    assert kinds[-1] == "response.completed"
     assert [event.sequence_number for event in first] == list(range(len(first)))
-    assert again.id != completed.id and again.status == "completed"
+    assert again.id != completed.id
+    assert again.status == "completed"
     # The second turn went upstream with the whole conversation and no id to look up (store: false works).
     sent = [r.json for r in responses_requests(upstream)]
     assert len(sent) == 2
     assert "previous_response_id" not in sent[1]
     assert sent[1]["input"][0] == {"type": "message", "role": "user", "content": "first question"}
-    assert sent[1]["input"][1]["type"] == "message" and sent[1]["input"][1]["role"] == "assistant"
+    assert sent[1]["input"][1]["type"] == "message"
+    assert sent[1]["input"][1]["role"] == "assistant"
     assert sent[1]["input"][1]["content"][0]["text"] == completed.output_text
     assert sent[1]["input"][-1] == {"role": "user", "content": "second question"}
     assert all(s["stream"] is True for s in sent)
@@ -139,7 +143,8 @@ def test_turns_run_in_order_and_events_match_the_http_stream(gateway: RunningGat
     http_kinds = [line[7:] for line in over_http.text.splitlines() if line.startswith("event: ")]
     assert [event["type"] for event in turns[0]] == http_kinds
     ids = [events[-1]["response"]["id"] for events in turns]
-    assert len(set(ids)) == 3 and all(events[-1]["type"] == "response.completed" for events in turns)
+    assert len(set(ids)) == 3
+    assert all(events[-1]["type"] == "response.completed" for events in turns)
 
 
 @pytest.mark.parametrize(
@@ -152,7 +157,12 @@ def test_turns_run_in_order_and_events_match_the_http_stream(gateway: RunningGat
         ('{"type": "response.create", "model": "nope", "input": "x"}', 404, "model_not_found", "model"),
         ('{"type": "response.create", "model": "gpt", "input": 5}', 400, None, "input"),
         ('{"type": "response.create", "model": "gpt", "input": "x", "background": true}', 400, None, "background"),
-        ('{"type": "response.create", "model": "gpt", "input": "x", "stream_id": "b"}', 400, "unsupported_parameter", "stream_id"),
+        (
+            '{"type": "response.create", "model": "gpt", "input": "x", "stream_id": "b"}',
+            400,
+            "unsupported_parameter",
+            "stream_id",
+        ),
     ],
 )
 def test_a_bad_message_gets_an_error_event_and_the_socket_goes_on(
@@ -161,8 +171,10 @@ def test_a_bad_message_gets_an_error_event_and_the_socket_goes_on(
     with socket(gateway) as ws:
         ws.send(message)
         error = json.loads(ws.recv(timeout=WAIT_S))
-        assert error["type"] == "error" and error["status"] == status
-        assert error["error"]["code"] == code and error["error"]["param"] == param
+        assert error["type"] == "error"
+        assert error["status"] == status
+        assert error["error"]["code"] == code
+        assert error["error"]["param"] == param
         assert error["error"]["message"]
         ws.send(b"\x00binary")
         assert json.loads(ws.recv(timeout=WAIT_S))["error"]["message"].startswith("send events as JSON text")
@@ -194,7 +206,8 @@ def test_another_tenant_s_response_cannot_be_continued(gateway: RunningGateway, 
         # The same id from another tenant's socket: unknown to it, whether stored or held by a socket.
         with socket(gateway, OTHER_KEY) as theirs:
             error = turn(theirs, model="gpt", input="x", previous_response_id=made)[-1]
-            assert error["type"] == "error" and error["status"] == 404
+            assert error["type"] == "error"
+            assert error["status"] == 404
             assert error["error"]["code"] == "previous_response_not_found"
         # Its owner may continue it, over the socket.
         assert turn(mine, model="gpt", input="more", previous_response_id=made)[-1]["type"] == "response.completed"
@@ -217,7 +230,8 @@ def test_pings_are_answered_and_a_message_over_the_limit_closes_with_1009(upstre
         ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": "x" * 4096}))
         with pytest.raises(ConnectionClosed) as caught:
             ws.recv(timeout=WAIT_S)
-        assert caught.value.rcvd is not None and caught.value.rcvd.code == 1009
+        assert caught.value.rcvd is not None
+        assert caught.value.rcvd.code == 1009
 
 
 def test_caps_lifetime_and_idle_timeout(upstream: ScriptedUpstream) -> None:
@@ -236,26 +250,32 @@ def test_caps_lifetime_and_idle_timeout(upstream: ScriptedUpstream) -> None:
             assert error["error"]["code"] == "websocket_connection_limit_reached"
             with pytest.raises(ConnectionClosed) as closed:
                 first.recv(timeout=WAIT_S)
-            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
+            assert closed.value.rcvd is not None
+            assert closed.value.rcvd.code == 1000
         with socket(gw) as again:  # the slot is free once the socket has gone
             assert turn(again, model="gpt", input="x")[-1]["type"] == "response.completed"
     with gateway_thread(config(upstream.url, "idle_timeout_s: 0.5")) as gw, socket(gw) as idle:
         with pytest.raises(ConnectionClosed) as closed:
             idle.recv(timeout=WAIT_S)
-        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1000
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == 1000
         assert closed.value.rcvd.reason == "idle timeout"
 
 
 def test_shutdown_finishes_the_running_turn_then_closes_with_1001(tmp_path: Path) -> None:
-    with ScriptedUpstream(default=Ok(ttft_ms=600, tpot_ms=50, tokens=8)) as up:
-        with gateway_process(config(up.url), tmp_path) as gw, socket(gw) as ws:
-            ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": "slow"}))
-            wait_until(lambda: len(responses_requests(up)) == 1, WAIT_S, what="the turn reached the upstream")
-            assert gw.proc is not None
-            gw.proc.send_signal(signal.SIGTERM)
-            events = events_until_end(ws)
-            assert events[-1]["type"] == "response.completed"
-            with pytest.raises(ConnectionClosed) as closed:
-                ws.recv(timeout=WAIT_S)
-            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
-            assert gw.proc.wait(WAIT_S) == 0
+    with (
+        ScriptedUpstream(default=Ok(ttft_ms=600, tpot_ms=50, tokens=8)) as up,
+        gateway_process(config(up.url), tmp_path) as gw,
+        socket(gw) as ws,
+    ):
+        ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": "slow"}))
+        wait_until(lambda: len(responses_requests(up)) == 1, WAIT_S, what="the turn reached the upstream")
+        assert gw.proc is not None
+        gw.proc.send_signal(signal.SIGTERM)
+        events = events_until_end(ws)
+        assert events[-1]["type"] == "response.completed"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=WAIT_S)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == 1001
+        assert gw.proc.wait(WAIT_S) == 0

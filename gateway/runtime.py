@@ -130,6 +130,7 @@ class Runtime:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.sockets.aclose()
         await self.responses.aclose()
         await self.warmup.aclose()
         await self.upstreams.aclose()

@@ -57,6 +57,7 @@ HANDSHAKE_ONLY = frozenset(
 )
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
 LIMIT_MESSAGE = (
     "Responses websocket connection limit reached ({minutes} minutes). Create a new websocket connection to continue."
 )
@@ -178,6 +179,7 @@ class Session:
     def __init__(self, sockets: Sockets, headers: list[tuple[bytes, bytes]], tenant: str, ident: str) -> None:
         self.sockets = sockets
         self.settings = sockets.settings
+        self.handshake = headers
         self.headers = [(k, v) for k, v in headers if k not in HANDSHAKE_ONLY]
         self.headers.append((b"content-type", b"application/json"))
         self.tenant = tenant
@@ -187,6 +189,8 @@ class Session:
         self.last: Last | None = None
         self.inbox: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or its key went
+        self.revoked: errors.GatewayError | None = None
         self.draining = False
         self.running = False
         self.send: Send | None = None
@@ -224,11 +228,22 @@ class Session:
         finally:
             if not self.gone.done():
                 self.gone.set_result(None)
+            if not self.stop.done():
+                self.stop.set_result(None)
             self.inbox.put_nowait(("gone", ""))
 
+    def revoke(self, error: errors.GatewayError) -> None:
+        """The key no longer authenticates: stop the running turn as if the client had left, then say why and close."""
+        if self.revoked is None:
+            self.revoked = error
+            if not self.stop.done():
+                self.stop.set_result(None)
+            self.inbox.put_nowait(("revoked", ""))
+
     async def _disconnected(self) -> Message:
-        """The pipeline's `receive` for a turn: answers only when the client has left (it then stops the turn)."""
-        await asyncio.shield(self.gone)
+        """The pipeline's `receive` for a turn: answers only when the client has left or its key was revoked (the
+        pipeline then stops the turn and its upstream request)."""
+        await asyncio.shield(self.stop)
         return {"type": "http.disconnect"}
 
     # The loop
@@ -250,6 +265,9 @@ class Session:
                     return
                 if kind == "gone":
                     return
+                if self.revoked is not None:
+                    await self._close_revoked()
+                    return
                 if kind == "shutdown" or self.draining:
                     await self._close(CLOSE_GOING_AWAY, "server shutting down")
                     return
@@ -265,6 +283,9 @@ class Session:
                     await self._refuse(errors.GatewayError("internal gateway error", code="internal_error"))
                 finally:
                     self.running = False
+                if self.revoked is not None:
+                    await self._close_revoked()
+                    return
                 if self.draining and not self.gone.done():
                     await self._close(CLOSE_GOING_AWAY, "server shutting down")
                     return
@@ -272,6 +293,11 @@ class Session:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+    async def _close_revoked(self) -> None:
+        assert self.revoked is not None
+        await self._refuse(self.revoked)
+        await self._close(CLOSE_POLICY, "the key was revoked")
 
     async def _lifetime_over(self) -> None:
         minutes = round(self.settings.max_lifetime_s / 60)

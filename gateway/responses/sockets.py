@@ -15,6 +15,7 @@ access line as `sluice.socket`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ log = logging.getLogger("sluice.websocket")
 PATHS = frozenset({"/v1/responses", "/responses", "/openai/v1/responses"})
 HANDSHAKE = "websocket"  # the handshake's Exchange has this resource: it names no model to check
 RETRY_AFTER = (b"retry-after", b"1")
+SWEEP_S = 1.0  # how often the open sockets' keys are checked again
 
 
 async def deny(send: Send, error: errors.GatewayError, rid: str) -> None:
@@ -61,6 +63,7 @@ class Sockets:
         self.open: set[Session] = set()
         self.per_tenant: dict[str, int] = {}
         self.turns = 0  # turns run by this process, for tests and the status page
+        self.sweeper: asyncio.Task[None] | None = None  # checks the open sockets' keys while there are any
         self.accepted = 0
         self.gauge = self.counter = None
         if meter is not None:
@@ -94,6 +97,8 @@ class Sockets:
         if self.gauge is not None:
             self.gauge.labels(label).inc()
         self.accepted += 1
+        if self.auth is not None and self.sweeper is None:
+            self.sweeper = asyncio.get_running_loop().create_task(self._sweep())
         try:
             await send({"type": "websocket.accept", "headers": [(b"x-request-id", rid.encode())]})
             await session.run(receive, send)
@@ -113,6 +118,30 @@ class Sockets:
         if self.auth is not None:
             await self.auth(ex)
         return ex.tenant
+
+    async def _sweep(self) -> None:
+        """Every second, each open socket's key is checked again (the auth plugin's cache, refreshed by its
+        revocation messages): a revoked key closes its sockets within about a second, running turn included."""
+        try:
+            while self.open:
+                await asyncio.sleep(SWEEP_S)
+                for session in list(self.open):
+                    if session.revoked is not None:
+                        continue
+                    try:
+                        await self._authenticate(session.handshake, session.ident, time.perf_counter())
+                    except errors.GatewayError as exc:
+                        if exc.status in (401, 403):
+                            log.info("websocket %s: its key no longer authenticates; closing it", session.ident)
+                            session.revoke(exc)
+                    except Exception:
+                        log.exception("websocket %s: checking its key failed", session.ident)
+        finally:
+            self.sweeper = None
+
+    async def aclose(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
 
     def _admit(self, tenant: str) -> None:
         settings = self.settings

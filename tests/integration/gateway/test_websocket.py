@@ -16,8 +16,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 from websockets.sync.connection import Connection
 
-from plugins.auth.keys import new_key
+from plugins.auth.keys import add, new_key, revoke
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
+from tests.support.redis import RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
 from tests.support.wait import wait_until
 
@@ -279,3 +280,25 @@ def test_shutdown_finishes_the_running_turn_then_closes_with_1001(tmp_path: Path
         assert closed.value.rcvd is not None
         assert closed.value.rcvd.code == 1001
         assert gw.proc.wait(WAIT_S) == 0
+
+
+def test_a_revoked_key_closes_its_socket_mid_turn(redis_server: RedisServer) -> None:
+    key, hashed = new_key()
+    hexdigest = hashed.removeprefix("sha256:")
+    add(redis_server.url, "beta", hexdigest, None)
+    with (
+        ScriptedUpstream(default=Ok(ttft_ms=20, tpot_ms=200, tokens=200)) as up,
+        gateway_thread(config(up.url) + f'redis: {{url: "{redis_server.url}"}}\n') as gw,
+        socket(gw, key) as ws,
+    ):
+        ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": "a long answer"}))
+        assert json.loads(ws.recv(timeout=WAIT_S))["type"] == "response.created"
+        revoke(redis_server.url, hexdigest)
+        events = events_until_end(ws)  # the turn is stopped: no response.completed, an error event
+        assert events[-1]["type"] == "error"
+        assert events[-1]["status"] == 401
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=WAIT_S)
+        assert closed.value.rcvd is not None
+        assert closed.value.rcvd.code == 1008
+        assert up.wait_disconnect(WAIT_S)  # and its upstream request was closed

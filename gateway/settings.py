@@ -260,7 +260,8 @@ class WebSocketSettings(Strict):
     max_lifetime_s: float = Field(3600.0, gt=0)  # then `websocket_connection_limit_reached`, as OpenAI's 60 minutes
     idle_timeout_s: float = Field(600.0, gt=0)  # a socket with no turn running nor message for this long is closed
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)  # a bigger client message closes the socket: 1009
-    max_queued: int = Field(16, ge=1)  # response.create messages waiting behind the running turn
+    max_in_flight: int = Field(16, ge=1)  # responses running or waiting on one socket, as OpenAI's
+    max_streams: int = Field(32, ge=1)  # named lanes (`stream_id`) on one socket, as OpenAI's
 
 
 class ResponsesSettings(Strict):

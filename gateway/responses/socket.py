@@ -3,16 +3,17 @@
 The intake reads the client's messages; each `response.create` is the HTTP create body (less `type`) and
 becomes one request with every stage: auth and rate limits per turn, SLO fallback and failover before the
 first event, a span, metrics and an access line that names the socket and the turn (`sluice.socket`,
-`sluice.turn`). The responder takes what the pipeline sends (a Responses SSE stream, or an error answer)
-and writes each event as one JSON text message, as OpenAI's WebSocket mode does.
+`sluice.turn`). The responder (socket_responder.py) writes each event the pipeline sends as a JSON text message.
 
-Turns run one at a time, in the order they came; more than `max_queued` waiting get an error event each.
-The connection keeps its last response in memory: its full input and its output items. A turn whose
-`previous_response_id` names it is sent upstream with that history expanded in front of its new input, so
-continuing needs neither the backend's store nor the gateway's (it works with `store: false`, and on
-backends that keep no responses: vLLM, llama.cpp, Ollama, TGI, the simulated one). Any other id is
-checked like an HTTP create's (its owner must be the caller's tenant, else `previous_response_not_found`)
-and goes upstream as it is.
+Turns run on lanes, as OpenAI's guide has them: creates with the same `stream_id` (or none) run one at a time
+in the order they came, different lanes run at once; at most `max_in_flight` responses running or waiting on a
+socket and `max_streams` named lanes, else `websocket_stream_limit_reached`. The socket keeps the last response
+of each lane in memory: its full input and its output items. A turn whose `previous_response_id` names one of
+them (on any lane: a new lane may fork a conversation) is sent upstream with that history expanded in front of
+its new input, so continuing needs neither the backend's store nor the gateway's (it works with `store: false`,
+and on backends that keep no responses: vLLM, llama.cpp, Ollama, TGI, the simulated one). Any other id is checked
+like an HTTP create's (its owner must be the caller's tenant, else `previous_response_not_found`) and goes
+upstream as it is.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway import errors
-from gateway.server import request
+from gateway.responses.socket_responder import Responder, error_event, tag
 from gateway.server.websocket import SHUTDOWN
-from gateway.wire.response_events import TERMINAL, stream_events
+from gateway.wire.response_events import stream_events
 
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Send
@@ -38,9 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.websocket")
 
-TERMINAL_TYPES = frozenset(TERMINAL.values())
-TERMINAL_BYTES = tuple(kind.encode() for kind in TERMINAL_TYPES)
-DROPPED = frozenset({"stream", "background", "type"})
+DROPPED = frozenset({"stream", "background", "type", "stream_id"})
 # Headers of the handshake that describe the upgrade, not the requests made over it.
 HANDSHAKE_ONLY = frozenset(
     {
@@ -61,14 +60,7 @@ CLOSE_POLICY = 1008
 LIMIT_MESSAGE = (
     "Responses websocket connection limit reached ({minutes} minutes). Create a new websocket connection to continue."
 )
-
-
-def error_event(error: errors.GatewayError) -> str:
-    """OpenAI's error event on a socket: the HTTP status and the API's error object."""
-    event: dict[str, Any] = {"type": "error", "status": error.status, **error.payload()}
-    if error.headers:
-        event["headers"] = {name.decode("latin-1"): value.decode("latin-1") for name, value in error.headers}
-    return orjson.dumps(event).decode()
+Pending = tuple[str, dict[str, Any] | None]  # a message's text, and its parse when it was one JSON object
 
 
 def as_items(given: Any) -> list[Any] | None:
@@ -81,100 +73,20 @@ def as_items(given: Any) -> list[Any] | None:
     return list(given) if isinstance(given, list) else None
 
 
-class Last:
-    """The connection's last response: its id and, when the gateway made its input, the whole conversation."""
+class Lane:
+    """Creates with one `stream_id`: run in order by a task of their own while any wait."""
 
-    __slots__ = ("ident", "items")
+    __slots__ = ("last", "name", "queue", "task")
 
-    def __init__(self, ident: str, items: list[Any] | None) -> None:
-        self.ident = ident
-        self.items = items  # input then output items; None: the chain is the backend's (sent with the id)
-
-
-class Responder:
-    """The pipeline's `send` for one turn: SSE events out as text messages, an error answer as an error event."""
-
-    def __init__(self, send: Send) -> None:
-        self.send = send
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.pending = b""
-        self.error_body = b""
-        self.response: dict[str, Any] | None = None  # the terminal event's response
-        self.failed = False  # an error went out: no response to remember
-        self.events = 0
-
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.status = message["status"]
-            self.headers = list(message.get("headers", ()))
-            return
-        body: bytes = message.get("body", b"")
-        if self.status != 200:
-            self.error_body += body
-            if not message.get("more_body", False):
-                await self._error_answer()
-            return
-        data = self.pending + body if self.pending else body
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self.pending = data
-            return
-        self.pending = data[end + 2 :]
-        for block in data[:end].split(b"\n\n"):
-            await self._event(block)
-
-    async def _event(self, block: bytes) -> None:
-        name = b""
-        payload = b""
-        for line in block.split(b"\n"):
-            if line.startswith(b"data:"):
-                part = line[5:].lstrip(b" ")
-                payload = payload + b"\n" + part if payload else part
-            elif line.startswith(b"event:"):
-                name = line[6:].strip()
-        if not payload or payload == b"[DONE]":
-            return
-        if payload.startswith(b'{"error"'):  # the gateway's own end of a broken stream (errors.sse_event)
-            try:
-                found = orjson.loads(payload).get("error") or {}
-            except orjson.JSONDecodeError:
-                found = {}
-            await self._send_error(500, found)
-            return
-        if name in TERMINAL_BYTES or (not name and any(kind in payload[:80] for kind in TERMINAL_BYTES)):
-            with contextlib.suppress(orjson.JSONDecodeError):
-                event = orjson.loads(payload)
-                if isinstance(event, dict) and isinstance(event.get("response"), dict):
-                    self.response = event["response"]
-        elif name == b"error":
-            self.failed = True
-        self.events += 1
-        await self.send({"type": "websocket.send", "text": payload.decode()})
-
-    async def _error_answer(self) -> None:
-        try:
-            found = orjson.loads(self.error_body).get("error")
-        except (orjson.JSONDecodeError, AttributeError):
-            found = None
-        if not isinstance(found, dict):
-            found = {"message": self.error_body.decode("utf-8", "replace")[:500], "type": "server_error"}
-        await self._send_error(self.status, found, self.headers)
-
-    async def _send_error(
-        self, status: int, error: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
-        self.failed = True
-        event: dict[str, Any] = {"type": "error", "status": status, "error": error}
-        kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers or () if k in (b"retry-after",)}
-        if kept:
-            event["headers"] = kept
-        await self.send({"type": "websocket.send", "text": orjson.dumps(event).decode()})
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+        self.queue: asyncio.Queue[Pending] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self.last: str | None = None  # the id of its last response, kept in the session's memory
 
 
 class Session:
-    """One client socket: reads its messages, runs its turns in order, keeps its last response."""
+    """One client socket: reads its messages, runs its turns on their lanes, remembers each lane's last response."""
 
     def __init__(self, sockets: Sockets, headers: list[tuple[bytes, bytes]], tenant: str, ident: str) -> None:
         self.sockets = sockets
@@ -184,61 +96,87 @@ class Session:
         self.headers.append((b"content-type", b"application/json"))
         self.tenant = tenant
         self.ident = ident
-        self.opened = time.monotonic()
+        loop = asyncio.get_running_loop()
+        self.opened = self.active = time.monotonic()
         self.turns = 0
-        self.last: Last | None = None
-        self.inbox: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or its key went
+        self.lanes: dict[str | None, Lane] = {}
+        # Response id -> the conversation the gateway sent for it (input then output items), or None when the
+        # chain is the backend's (the turn was sent with a previous_response_id the socket did not hold).
+        self.kept: dict[str, list[Any] | None] = {}
+        self.in_flight = 0  # responses running or waiting, on every lane
+        self.changed = asyncio.Event()  # wakes the lifecycle loop
+        self.gone = False
+        self.stop: asyncio.Future[None] = loop.create_future()  # the client left, or its key was revoked
         self.revoked: errors.GatewayError | None = None
         self.draining = False
-        self.running = False
         self.send: Send | None = None
-        self.close_code: int | None = None
 
     # The intake
 
     async def _read(self, receive: Receive) -> None:
-        """Every client message into the inbox, in order; the end of the socket into `gone`."""
+        """Every client message onto its lane; the end of the socket, a shutdown, into the session's state."""
         try:
             while True:
                 message = await receive()
                 kind = message["type"]
                 if kind == "websocket.receive":
-                    text = message.get("text")
-                    if text is None:
-                        await self._refuse(errors.BadRequestError("send events as JSON text messages, not binary"))
-                        continue
-                    if self.inbox.qsize() >= self.settings.max_queued:
-                        await self._refuse(
-                            errors.RateLimitError(
-                                f"more than {self.settings.max_queued} response.create events are waiting on this "
-                                "socket; wait for response.completed before sending the next",
-                                code="websocket_queue_full",
-                            )
-                        )
-                        continue
-                    self.inbox.put_nowait(("message", text))
+                    self.active = time.monotonic()
+                    await self._take(message.get("text"))
                 elif kind == SHUTDOWN:
                     self.draining = True
-                    self.inbox.put_nowait(("shutdown", ""))
+                    self.changed.set()
                 elif kind == "websocket.disconnect":
-                    self.close_code = message.get("code")
                     break
         finally:
-            if not self.gone.done():
-                self.gone.set_result(None)
+            self.gone = True
             if not self.stop.done():
                 self.stop.set_result(None)
-            self.inbox.put_nowait(("gone", ""))
+            self.changed.set()
 
-    def revoke(self, error: errors.GatewayError) -> None:
-        """The key no longer authenticates: stop the running turn as if the client had left, then say why and close."""
-        if self.revoked is None:
-            self.revoked = error
-            if not self.stop.done():
-                self.stop.set_result(None)
-            self.inbox.put_nowait(("revoked", ""))
+    async def _take(self, text: str | None) -> None:
+        if text is None:
+            await self.refuse(errors.BadRequestError("send events as JSON text messages, not binary"))
+            return
+        try:
+            parsed = orjson.loads(text)
+        except orjson.JSONDecodeError:
+            parsed = None
+        message = parsed if isinstance(parsed, dict) else None
+        name = message.get("stream_id") if message is not None else None
+        if name is not None and not isinstance(name, str):
+            await self.refuse(errors.BadRequestError("'stream_id' must be a string", param="stream_id"))
+            return
+        if self.draining:
+            await self.refuse(errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown"))
+            return
+        if time.monotonic() - self.opened >= self.settings.max_lifetime_s:
+            await self.refuse(self._limit_error(), name)
+            self.changed.set()  # closed once nothing runs
+            return
+        lane = self.lanes.get(name)
+        if lane is None:
+            if name is not None and len(self.lanes) - (None in self.lanes) >= self.settings.max_streams:
+                await self.refuse(self._stream_limit(f"{self.settings.max_streams} named streams"), name)
+                return
+            lane = self.lanes[name] = Lane(name)
+        if self.in_flight >= self.settings.max_in_flight:
+            await self.refuse(self._stream_limit(f"{self.settings.max_in_flight} responses in flight"), name)
+            return
+        self.in_flight += 1
+        lane.queue.put_nowait((text, message))
+        if lane.task is None:
+            lane.task = asyncio.get_running_loop().create_task(self._run_lane(lane))
+
+    @staticmethod
+    def _stream_limit(what: str) -> errors.GatewayError:
+        return errors.BadRequestError(
+            f"this socket already has {what}; wait for one to finish or open another socket",
+            code="websocket_stream_limit_reached",
+        )
+
+    def _limit_error(self) -> errors.GatewayError:
+        minutes = round(self.settings.max_lifetime_s / 60)
+        return errors.BadRequestError(LIMIT_MESSAGE.format(minutes=minutes), code="websocket_connection_limit_reached")
 
     async def _disconnected(self) -> Message:
         """The pipeline's `receive` for a turn: answers only when the client has left or its key was revoked (the
@@ -246,123 +184,140 @@ class Session:
         await asyncio.shield(self.stop)
         return {"type": "http.disconnect"}
 
-    # The loop
+    def revoke(self, error: errors.GatewayError) -> None:
+        """The key no longer authenticates: stop the running turns as if the client had left, then say why and close."""
+        if self.revoked is None:
+            self.revoked = error
+            if not self.stop.done():
+                self.stop.set_result(None)
+            self.changed.set()
+
+    # The lifecycle
 
     async def run(self, receive: Receive, send: Send) -> None:
         self.send = send
         reader = asyncio.get_running_loop().create_task(self._read(receive))
         settings = self.settings
         try:
-            while not self.gone.done():
-                left = self.opened + settings.max_lifetime_s - time.monotonic()
-                try:
-                    kind, text = await asyncio.wait_for(self.inbox.get(), min(settings.idle_timeout_s, max(left, 0)))
-                except TimeoutError:
-                    if left <= settings.idle_timeout_s:
-                        await self._lifetime_over()
-                    else:
+            while not self.gone:
+                now = time.monotonic()
+                if self.in_flight == 0:
+                    if self.revoked is not None:
+                        await self.refuse(self.revoked)
+                        await self._close(CLOSE_POLICY, "the key was revoked")
+                        return
+                    if self.draining:
+                        await self._close(CLOSE_GOING_AWAY, "server shutting down")
+                        return
+                    if now - self.opened >= settings.max_lifetime_s:
+                        await self.refuse(self._limit_error())
+                        await self._close(CLOSE_NORMAL, "connection limit reached")
+                        return
+                    if now - self.active >= settings.idle_timeout_s:
                         await self._close(CLOSE_NORMAL, "idle timeout")
-                    return
-                if kind == "gone":
-                    return
-                if self.revoked is not None:
-                    await self._close_revoked()
-                    return
-                if kind == "shutdown" or self.draining:
-                    await self._close(CLOSE_GOING_AWAY, "server shutting down")
-                    return
-                if time.monotonic() - self.opened >= settings.max_lifetime_s:
-                    await self._lifetime_over()
-                    return
-                self.running = True
-                try:
-                    await self._turn(text)
-                except Exception:
-                    # A bug must cost one turn, never the socket: the client gets an error event, the log the trace.
-                    log.exception("websocket %s: turn %d failed inside the gateway", self.ident, self.turns)
-                    await self._refuse(errors.GatewayError("internal gateway error", code="internal_error"))
-                finally:
-                    self.running = False
-                if self.revoked is not None:
-                    await self._close_revoked()
-                    return
-                if self.draining and not self.gone.done():
-                    await self._close(CLOSE_GOING_AWAY, "server shutting down")
-                    return
+                        return
+                    wait: float | None = (
+                        min(self.active + settings.idle_timeout_s, self.opened + settings.max_lifetime_s) - now
+                    )
+                else:
+                    wait = None  # a turn runs: its end wakes this loop
+                self.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), wait)
         finally:
+            tasks = [lane.task for lane in self.lanes.values() if lane.task is not None]
+            for task in tasks:
+                task.cancel()
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-
-    async def _close_revoked(self) -> None:
-        assert self.revoked is not None
-        await self._refuse(self.revoked)
-        await self._close(CLOSE_POLICY, "the key was revoked")
-
-    async def _lifetime_over(self) -> None:
-        minutes = round(self.settings.max_lifetime_s / 60)
-        error = errors.BadRequestError(LIMIT_MESSAGE.format(minutes=minutes), code="websocket_connection_limit_reached")
-        await self._refuse(error)
-        await self._close(CLOSE_NORMAL, "connection limit reached")
+            for task in (*tasks, reader):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _close(self, code: int, reason: str) -> None:
-        if self.gone.done() or self.send is None:
+        if self.gone or self.send is None:
             return
         with contextlib.suppress(Exception):
             await self.send({"type": "websocket.close", "code": code, "reason": reason})
 
-    async def _refuse(self, error: errors.GatewayError) -> None:
-        if self.gone.done() or self.send is None:
+    async def refuse(self, error: errors.GatewayError, lane: str | None = None) -> None:
+        if self.gone or self.send is None:
             return
         with contextlib.suppress(Exception):
-            await self.send({"type": "websocket.send", "text": error_event(error)})
+            await self.send({"type": "websocket.send", "text": error_event(error, lane)})
 
-    # A turn
+    # A lane's turns
 
-    async def _turn(self, text: str) -> None:
+    async def _run_lane(self, lane: Lane) -> None:
+        try:
+            while not lane.queue.empty():
+                text, message = lane.queue.get_nowait()
+                try:
+                    if self.draining:  # waiting when the shutdown began: not started, said so
+                        error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
+                        await self.refuse(error, lane.name)
+                    elif not (self.gone or self.revoked):
+                        await self._turn(lane, text, message)
+                except Exception:
+                    # A bug must cost one turn, never the socket: the client gets an error event, the log the trace.
+                    log.exception("websocket %s: turn %d failed inside the gateway", self.ident, self.turns)
+                    await self.refuse(errors.GatewayError("internal gateway error", code="internal_error"), lane.name)
+                finally:
+                    self.in_flight -= 1
+                    self.active = time.monotonic()
+                    self.changed.set()
+        finally:
+            lane.task = None
+
+    async def _turn(self, lane: Lane, text: str, message: dict[str, Any] | None) -> None:
         self.turns += 1
+        turn = self.turns
         started = time.perf_counter()
         try:
-            body = self._body(text)
+            body = self._body(text, message)
         except errors.GatewayError as exc:
-            await self._refuse(exc)
+            await self.refuse(exc, lane.name)
             return
         if body is None:
             return
         items: list[Any] | None = None
         previous = body.get("previous_response_id")
-        last = self.last
         given = as_items(body.get("input"))
-        if previous is not None and last is not None and previous == last.ident and last.items is not None:
-            if given is not None:
-                items = last.items + given
-                body["input"] = items
-                del body["previous_response_id"]  # expanded here: the upstream needs no stored chain
+        held = self.kept.get(previous) if isinstance(previous, str) else None
+        if held is not None and given is not None:
+            items = held + given
+            body["input"] = items
+            del body["previous_response_id"]  # expanded here: the upstream needs no stored chain
         elif previous is None:
             items = given
         if body.get("generate") is False:
-            await self._warm(body, items)
+            await self._warm(lane, body, items)
             return
         sent = self.send
         assert sent is not None
-        responder = Responder(sent)
-        rid = request.new_request_id()
-        await self.sockets.run(self, body, started, rid, self._disconnected, responder)
+        responder = Responder(sent, lane.name)
+        await self.sockets.run(self, body, started, self._disconnected, responder, turn)
         response = responder.response
         if responder.failed or response is None or not isinstance(response.get("id"), str):
             return
         if items is not None:
             output = response.get("output")
             items = items + (output if isinstance(output, list) else [])
-        self.last = Last(response["id"], items)
+        self._keep(lane, response["id"], items)
 
-    def _body(self, text: str) -> dict[str, Any] | None:
+    def _keep(self, lane: Lane, ident: str, items: list[Any] | None) -> None:
+        """The lane's last response replaces its previous one in the socket's memory."""
+        if lane.last is not None:
+            self.kept.pop(lane.last, None)
+        lane.last = ident
+        self.kept[ident] = items
+
+    def _body(self, text: str, message: dict[str, Any] | None) -> dict[str, Any] | None:
         """The create body of a client message, or None for a message that asks for nothing."""
-        try:
-            message = orjson.loads(text)
-        except orjson.JSONDecodeError as exc:
-            raise errors.BadRequestError(f"the message is not valid JSON: {exc}") from None
-        if not isinstance(message, dict):
+        if message is None:
+            try:
+                orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                raise errors.BadRequestError(f"the message is not valid JSON: {exc}") from None
             raise errors.BadRequestError("a message must be a JSON object with a 'type'")
         kind = message.get("type")
         if kind == "response.processed":
@@ -375,23 +330,14 @@ class Session:
             )
         if message.get("background"):
             raise errors.BadRequestError("background is not supported over WebSocket", param="background")
-        if message.get("stream_id") is not None:
-            raise errors.BadRequestError(
-                "stream_id (several responses in flight on one socket) is not supported by this gateway: "
-                "open one socket per conversation",
-                param="stream_id",
-                code="unsupported_parameter",
-            )
         body = {key: value for key, value in message.items() if key not in DROPPED}
-        body.pop("stream_id", None)
         body["stream"] = True  # every answer on a socket is its event stream
         return body
 
-    async def _warm(self, body: dict[str, Any], items: list[Any] | None) -> None:
+    async def _warm(self, lane: Lane, body: dict[str, Any], items: list[Any] | None) -> None:
         """`generate: false`: a response with no output that later turns can continue, made here."""
         now = int(time.time())
         ident = "resp_" + secrets.token_hex(24)
-        model = body.get("model")
         response = {
             "id": ident,
             "object": "response",
@@ -401,7 +347,7 @@ class Session:
             "error": None,
             "incomplete_details": None,
             "instructions": body.get("instructions"),
-            "model": model,
+            "model": body.get("model"),
             "output": [],
             "previous_response_id": body.get("previous_response_id"),
             "store": body.get("store", True),
@@ -416,15 +362,11 @@ class Session:
         }
         send = self.send
         assert send is not None
+        prefix = tag(lane.name)
         for group in stream_events(response):
             for event in group:
-                await send({"type": "websocket.send", "text": orjson.dumps(event).decode()})
-        self.last = Last(ident, items)
-
-    # For the front door
-
-    def tagged(self, ex: Any) -> None:
-        """What the turn's span and access line say of its socket."""
-        ex.attributes["sluice.transport"] = "websocket"
-        ex.attributes["sluice.socket"] = self.ident
-        ex.attributes["sluice.turn"] = self.turns
+                payload = orjson.dumps(event)
+                if prefix:
+                    payload = b"{" + prefix + payload[1:]
+                await send({"type": "websocket.send", "text": payload.decode()})
+        self._keep(lane, ident, items)

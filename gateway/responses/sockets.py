@@ -24,7 +24,7 @@ import orjson
 
 from gateway import errors
 from gateway.context import Exchange
-from gateway.responses.socket import Responder, Session
+from gateway.responses.socket import Session
 from gateway.server import request
 from gateway.server.reply import JSON
 from gateway.upstream.attempts import around_loading
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from gateway.pipeline import Pipeline
+    from gateway.responses.socket_responder import Responder
     from gateway.settings import Settings
     from gateway.telemetry.metrics import Meter
 
@@ -174,25 +175,31 @@ class Sockets:
             access.info("%s %d", what, error.status, extra={"fields": fields})
 
     async def run(
-        self, session: Session, body: dict[str, Any], started: float, rid: str, receive: Receive, send: Responder
+        self, session: Session, body: dict[str, Any], started: float, receive: Receive, send: Responder, turn: int
     ) -> None:
         """One turn as a Responses create through the pipeline, as the HTTP path routes one (pipeline._route)."""
         self.turns += 1
         if self.counter is not None:
             self.counter.labels(self.tenant_label(session.tenant)).inc()
         pipeline = self.pipeline
+        rid = request.new_request_id()
         raw = orjson.dumps(body)
         headers = [*session.headers, (b"x-request-id", rid.encode())]
+        lane = send.lane
         try:
             ex = request.parse("responses", headers, raw, started, rid)
         except errors.GatewayError as exc:
-            await session._refuse(exc)
+            await session.refuse(exc, lane)
             return
         ex.mark("parse", started)
-        session.tagged(ex)
+        ex.attributes["sluice.transport"] = "websocket"  # the turn's span and access line name its socket
+        ex.attributes["sluice.socket"] = session.ident
+        ex.attributes["sluice.turn"] = turn
+        if lane is not None:
+            ex.attributes["sluice.stream_id"] = lane
         chain = pipeline.chains.get(ex.model)
         if chain is None:
-            await session._refuse(errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"))
+            await session.refuse(errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), lane)
             return
         ex.targets = list(chain)
         if pipeline.upstreams.loading:
@@ -201,6 +208,6 @@ class Sockets:
             try:
                 pipeline.route(ex)
             except errors.GatewayError as exc:
-                await session._refuse(exc)
+                await session.refuse(exc, lane)
                 return
         await pipeline.serve(ex, receive, send)

@@ -158,12 +158,7 @@ def test_turns_run_in_order_and_events_match_the_http_stream(gateway: RunningGat
         ('{"type": "response.create", "model": "nope", "input": "x"}', 404, "model_not_found", "model"),
         ('{"type": "response.create", "model": "gpt", "input": 5}', 400, None, "input"),
         ('{"type": "response.create", "model": "gpt", "input": "x", "background": true}', 400, None, "background"),
-        (
-            '{"type": "response.create", "model": "gpt", "input": "x", "stream_id": "b"}',
-            400,
-            "unsupported_parameter",
-            "stream_id",
-        ),
+        ('{"type": "response.create", "model": "gpt", "input": "x", "stream_id": 5}', 400, None, "stream_id"),
     ],
 )
 def test_a_bad_message_gets_an_error_event_and_the_socket_goes_on(
@@ -302,3 +297,46 @@ def test_a_revoked_key_closes_its_socket_mid_turn(redis_server: RedisServer) -> 
         assert closed.value.rcvd is not None
         assert closed.value.rcvd.code == 1008
         assert up.wait_disconnect(WAIT_S)  # and its upstream request was closed
+
+
+def test_lanes_run_at_once_echo_their_stream_id_and_fork_from_each_other(upstream: ScriptedUpstream) -> None:
+    upstream.default = Ok(ttft_ms=300, tpot_ms=2, tokens=5)
+    with gateway_thread(config(upstream.url, "max_streams: 2")) as gw, socket(gw) as ws:
+        for lane in ("a", "b"):
+            ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": f"on {lane}", "stream_id": lane}))
+        events: list[dict[str, Any]] = []
+        ended: dict[str, dict[str, Any]] = {}
+        while len(ended) < 2:
+            event = json.loads(ws.recv(timeout=WAIT_S))
+            events.append(event)
+            if event["type"] == "response.completed":
+                ended[event["stream_id"]] = event["response"]
+        assert {event["stream_id"] for event in events} == {"a", "b"}  # every event names its lane
+        created = [i for i, event in enumerate(events) if event["type"] == "response.created"]
+        first_end = next(i for i, event in enumerate(events) if event["type"] == "response.completed")
+        assert max(created) < first_end  # both had begun before either ended: they ran at once
+        # A third named lane is over the cap; lane b may fork lane a's conversation, from the socket's memory.
+        refused = turn(ws, model="gpt", input="fork", previous_response_id=ended["a"]["id"], stream_id="c")
+        assert refused[-1]["type"] == "error"
+        assert refused[-1]["error"]["code"] == "websocket_stream_limit_reached"
+        assert refused[-1]["stream_id"] == "c"
+        forked = turn(ws, model="gpt", input="fork", previous_response_id=ended["a"]["id"], stream_id="b")
+        assert forked[-1]["type"] == "response.completed"
+        assert forked[-1]["stream_id"] == "b"
+    sent = responses_requests(upstream)[-1].json
+    assert "previous_response_id" not in sent
+    assert "stream_id" not in sent
+    assert sent["input"][0]["content"] == "on a"
+    assert sent["input"][-1]["content"] == "fork"
+
+
+def test_responses_in_flight_are_capped(upstream: ScriptedUpstream) -> None:
+    upstream.default = Ok(ttft_ms=300, tpot_ms=2, tokens=5)
+    with gateway_thread(config(upstream.url, "max_in_flight: 2")) as gw, socket(gw) as ws:
+        for text in ("one", "two", "three"):
+            ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": text}))
+        refused = json.loads(ws.recv(timeout=WAIT_S))  # the third, at once, before the first has ended
+        assert refused["type"] == "error"
+        assert refused["error"]["code"] == "websocket_stream_limit_reached"
+        assert events_until_end(ws)[-1]["type"] == "response.completed"
+        assert events_until_end(ws)[-1]["type"] == "response.completed"

@@ -88,8 +88,11 @@ class Lane:
 class Session:
     """One client socket: reads its messages, runs its turns on their lanes, remembers each lane's last response."""
 
-    def __init__(self, sockets: Sockets, headers: list[tuple[bytes, bytes]], tenant: str, ident: str) -> None:
+    def __init__(
+        self, sockets: Sockets, headers: list[tuple[bytes, bytes]], tenant: str, ident: str, many: bool = False
+    ) -> None:
         self.sockets = sockets
+        self.many = many  # the server frames several messages in one write (gateway/server/websocket.py)
         self.settings = sockets.settings
         self.handshake = headers
         self.headers = [(k, v) for k, v in headers if k not in HANDSHAKE_ONLY]
@@ -294,7 +297,7 @@ class Session:
             return
         sent = self.send
         assert sent is not None
-        responder = Responder(sent, lane.name)
+        responder = Responder(sent, lane.name, self.many)
         await self.sockets.run(self, body, started, self._disconnected, responder, turn)
         response = responder.response
         if responder.failed or response is None or not isinstance(response.get("id"), str):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.server.websocket import SEND_MANY
 from gateway.wire.response_events import TERMINAL
 
 if TYPE_CHECKING:
@@ -43,8 +44,9 @@ def tag(lane: str | None) -> bytes:
 class Responder:
     """The pipeline's `send` for one turn: SSE events out as text messages, an error answer as an error event."""
 
-    def __init__(self, send: Send, lane: str | None = None) -> None:
+    def __init__(self, send: Send, lane: str | None = None, many: bool = False) -> None:
         self.send = send
+        self.many = many  # the server takes several messages at once (gateway/server/websocket.py)
         self.lane = lane
         self.tag = tag(lane)
         self.status = 0
@@ -73,10 +75,17 @@ class Responder:
             self.pending = data
             return
         self.pending = data[end + 2 :]
-        for block in data[:end].split(b"\n\n"):
-            await self._event(block)
+        texts = [text for block in data[:end].split(b"\n\n") if (text := self._event(block)) is not None]
+        if not texts:
+            return
+        if self.many and len(texts) > 1:
+            await self.send({"type": SEND_MANY, "texts": texts})  # the events of one upstream read, one write
+        else:
+            for text in texts:
+                await self.send({"type": "websocket.send", "text": text})
 
-    async def _event(self, block: bytes) -> None:
+    def _event(self, block: bytes) -> str | None:
+        """The message for one SSE event, or None for none (a comment, `[DONE]`)."""
         name = b""
         payload = b""
         for line in block.split(b"\n"):
@@ -86,14 +95,13 @@ class Responder:
             elif line.startswith(b"event:"):
                 name = line[6:].strip()
         if not payload or payload == b"[DONE]":
-            return
+            return None
         if payload.startswith(b'{"error"'):  # the gateway's own end of a broken stream (errors.sse_event)
             try:
                 found = orjson.loads(payload).get("error") or {}
             except orjson.JSONDecodeError:
                 found = {}
-            await self._send_error(500, found)
-            return
+            return self._error(500, found)
         if name in TERMINAL_BYTES or (not name and any(kind in payload[:80] for kind in TERMINAL_BYTES)):
             with contextlib.suppress(orjson.JSONDecodeError):
                 event = orjson.loads(payload)
@@ -104,7 +112,7 @@ class Responder:
         self.events += 1
         if self.tag and payload.startswith(b"{"):
             payload = b"{" + self.tag + payload[1:]
-        await self.send({"type": "websocket.send", "text": payload.decode()})
+        return payload.decode()
 
     async def _error_answer(self) -> None:
         try:
@@ -113,11 +121,9 @@ class Responder:
             found = None
         if not isinstance(found, dict):
             found = {"message": self.error_body.decode("utf-8", "replace")[:500], "type": "server_error"}
-        await self._send_error(self.status, found, self.headers)
+        await self.send({"type": "websocket.send", "text": self._error(self.status, found, self.headers)})
 
-    async def _send_error(
-        self, status: int, error: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
-    ) -> None:
+    def _error(self, status: int, error: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> str:
         self.failed = True
         event: dict[str, Any] = {"type": "error", "status": status, "error": error}
         kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers or () if k in (b"retry-after",)}
@@ -125,4 +131,4 @@ class Responder:
             event["headers"] = kept
         if self.lane is not None:
             event["stream_id"] = self.lane
-        await self.send({"type": "websocket.send", "text": orjson.dumps(event).decode()})
+        return orjson.dumps(event).decode()

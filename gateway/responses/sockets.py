@@ -27,6 +27,7 @@ from gateway.context import Exchange
 from gateway.responses.socket import Session
 from gateway.server import request
 from gateway.server.reply import JSON
+from gateway.server.websocket import SEND_MANY
 from gateway.upstream.attempts import around_loading
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class Sockets:
         except errors.GatewayError as exc:
             await self._refuse(send, exc, rid, what, started)
             return
-        session = Session(self, headers, tenant, rid)
+        session = Session(self, headers, tenant, rid, SEND_MANY in scope.get("extensions", {}))
         self.open.add(session)
         self.per_tenant[tenant] = self.per_tenant.get(tenant, 0) + 1
         label = self.tenant_label(tenant) if self.gauge is not None else ""

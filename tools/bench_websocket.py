@@ -116,7 +116,7 @@ def summary(values: list[float]) -> str:
     return f"{percentile(ordered, 0.5):.2f} / {percentile(ordered, 0.99):.2f}"
 
 
-async def per_turn(sides: Sides, samples: int) -> list[str]:
+async def per_turn(sides: Sides, samples: int, gateway_pid: int) -> list[str]:
     runs: dict[str, Callable[[dict[str, Any]], Awaitable[tuple[float, float, str]]]] = {
         "direct": sides.direct,
         "http": sides.through,
@@ -125,24 +125,30 @@ async def per_turn(sides: Sides, samples: int) -> list[str]:
     names = list(runs)
     ttft: dict[str, list[float]] = {name: [] for name in names}
     total: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, float] = dict.fromkeys(names, 0.0)  # the gateway's, summed over each side's turns
     for i in range(samples + 20):
         order = names[i % 3 :] + names[: i % 3]
         for name in order:
+            before = cpu_seconds(gateway_pid)
             first, end, _ = await runs[name]({"model": "sim", "input": f"turn {i}: say ok", "store": False})
             if i >= 20:  # the first rounds warm every path
                 ttft[name].append(first)
                 total[name].append(end)
+                cpu[name] += cpu_seconds(gateway_pid) - before
     base_ttft = statistics.median(ttft["direct"])
     base_total = statistics.median(total["direct"])
     lines = [
-        "| side | TTFT p50 / p99 (ms) | total p50 / p99 (ms) | added TTFT p50 (ms) | added total p50 (ms) |",
-        "|---|---|---|---|---|",
+        "| side | TTFT p50 / p99 (ms) | total p50 / p99 (ms) | added TTFT p50 (ms) | added total p50 (ms) "
+        "| gateway CPU per turn (ms) |",
+        "|---|---|---|---|---|---|",
     ]
     for name in names:
         added_ttft = statistics.median(ttft[name]) - base_ttft
         added_total = statistics.median(total[name]) - base_total
+        used = cpu[name] * 1000.0 / samples if name != "direct" else 0.0
         lines.append(
-            f"| {name} | {summary(ttft[name])} | {summary(total[name])} | {added_ttft:+.2f} | {added_total:+.2f} |"
+            f"| {name} | {summary(ttft[name])} | {summary(total[name])} | {added_ttft:+.2f} | {added_total:+.2f} "
+            f"| {used:.2f} |"
         )
     return lines
 
@@ -188,7 +194,7 @@ async def measure(sim: str, gateway: str, gateway_pid: int, samples: int, count:
         connect(gateway.replace("http", "ws", 1) + "/v1/responses", max_size=None, compression=None) as socket,
     ):
         sides = Sides(sim, gateway, client, socket)
-        return [*await per_turn(sides, samples), "", *await loops(sides, gateway_pid, count)]
+        return [*await per_turn(sides, samples, gateway_pid), "", *await loops(sides, gateway_pid, count)]
 
 
 def main(preset: str = "default", write: str | None = None) -> int:

@@ -51,7 +51,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start(command: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    with log.open("wb") as out:  # the child keeps its own copy of the descriptor
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:

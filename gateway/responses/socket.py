@@ -153,8 +153,7 @@ class Session:
             await self.refuse(errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown"))
             return
         if time.monotonic() - self.opened >= self.settings.max_lifetime_s:
-            await self.refuse(self._limit_error(), name)
-            self.changed.set()  # closed once nothing runs
+            self.changed.set()  # the lifecycle loop says why and closes the socket once nothing runs
             return
         lane = self.lanes.get(name)
         if lane is None:
@@ -278,7 +277,7 @@ class Session:
         try:
             body = self._body(text, message)
         except errors.GatewayError as exc:
-            await self.refuse(exc, lane.name)
+            await self.sockets.refused(self, exc, lane.name, turn, started)
             return
         if body is None:
             return

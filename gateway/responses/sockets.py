@@ -162,8 +162,14 @@ class Sockets:
 
     async def _refuse(self, send: Send, error: errors.GatewayError, rid: str, what: str, started: float) -> None:
         await deny(send, error, rid)
+        self._refusal_line(what, error, rid, started, None)
+
+    def _refusal_line(
+        self, what: str, error: errors.GatewayError, rid: str, started: float, socket: dict[str, Any] | None
+    ) -> None:
+        """The fields of the pipeline's refusal line (and, for a turn, its socket's)."""
         access = self.pipeline.access
-        if access is not None:  # the fields of the pipeline's refusal line
+        if access is not None:
             fields = {
                 "request_id": rid,
                 "tenant": None,
@@ -172,8 +178,23 @@ class Sockets:
                 "total_ms": round((time.perf_counter() - started) * 1000.0, 3),
                 "rejected_by": "gateway",
                 "error": error.code or error.type,
+                **(socket or {}),
             }
             access.info("%s %d", what, error.status, extra={"fields": fields})
+
+    async def refused(
+        self, session: Session, error: errors.GatewayError, lane: str | None, turn: int, started: float
+    ) -> None:
+        """A turn refused before the pipeline (a bad message, an unknown model): its error event, counted and
+        logged as the HTTP path counts and logs a request it refuses before routing."""
+        await session.refuse(error, lane)
+        telemetry = self.pipeline.telemetry
+        if telemetry is not None:
+            telemetry.rejected(error.status)
+        socket: dict[str, Any] = {"sluice.transport": "websocket", "sluice.socket": session.ident, "sluice.turn": turn}
+        if lane is not None:
+            socket["sluice.stream_id"] = lane
+        self._refusal_line("responses", error, request.new_request_id(), started, socket)
 
     async def run(
         self, session: Session, body: dict[str, Any], started: float, receive: Receive, send: Responder, turn: int
@@ -190,7 +211,7 @@ class Sockets:
         try:
             ex = request.parse("responses", headers, raw, started, rid)
         except errors.GatewayError as exc:
-            await session.refuse(exc, lane)
+            await self.refused(session, exc, lane, turn, started)
             return
         ex.mark("parse", started)
         ex.attributes["sluice.transport"] = "websocket"  # the turn's span and access line name its socket
@@ -200,7 +221,8 @@ class Sockets:
             ex.attributes["sluice.stream_id"] = lane
         chain = pipeline.chains.get(ex.model)
         if chain is None:
-            await session.refuse(errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model"), lane)
+            error = errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model")
+            await self.refused(session, error, lane, turn, started)
             return
         ex.targets = list(chain)
         if pipeline.upstreams.loading:
@@ -209,6 +231,6 @@ class Sockets:
             try:
                 pipeline.route(ex)
             except errors.GatewayError as exc:
-                await session.refuse(exc, lane)
+                await self.refused(session, exc, lane, turn, started)
                 return
         await pipeline.serve(ex, receive, send)

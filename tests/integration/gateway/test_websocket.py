@@ -283,7 +283,9 @@ def test_a_revoked_key_closes_its_socket_mid_turn(redis_server: RedisServer) -> 
     add(redis_server.url, "beta", hexdigest, None)
     with (
         ScriptedUpstream(default=Ok(ttft_ms=20, tpot_ms=200, tokens=200)) as up,
-        gateway_thread(config(up.url) + f'redis: {{url: "{redis_server.url}"}}\n') as gw,
+        # A short key cache: the revocation is seen within a second or two even if it is published before the
+        # gateway's subscription to revocations is up (what is tested here is the sockets' own check).
+        gateway_thread(config(up.url) + f'redis: {{url: "{redis_server.url}"}}\nauth: {{cache_ttl_s: 1}}\n') as gw,
         socket(gw, key) as ws,
     ):
         ws.send(json.dumps({"type": "response.create", "model": "gpt", "input": "a long answer"}))

@@ -19,7 +19,7 @@ from websockets.sync.connection import Connection
 from plugins.auth.keys import add, new_key, revoke
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
-from tests.support.upstream import Ok, ScriptedUpstream
+from tests.support.upstream import Ok, ScriptedUpstream, Status
 from tests.support.wait import wait_until
 
 KEY, KEY_HASH = new_key()
@@ -345,3 +345,26 @@ def test_responses_in_flight_are_capped(upstream: ScriptedUpstream) -> None:
     assert len(errors) == 1
     assert errors[0]["error"]["code"] == "websocket_stream_limit_reached"
     assert len(responses_requests(upstream)) == 2
+
+
+def test_a_turn_fails_over_before_its_first_event_and_a_rate_limit_is_an_error_event(
+    upstream: ScriptedUpstream,
+) -> None:
+    extra = """
+  backup: {backend: up, upstream_model: other}
+"""
+    text = config(upstream.url).replace("  gpt: {backend: up}\n", "  gpt: {backend: up, fallback: [backup]}" + extra)
+    text = text.replace("  acme: {", "  acme: {rate_limit: {requests_per_minute: 2}, ")
+    text = text.replace("plugins: [auth]", "plugins: [auth, rate_limit]")
+    with gateway_thread(text) as gw, socket(gw) as ws:
+        upstream.script(Status(503))
+        events = turn(ws, model="gpt", input="first")  # the primary's 503 came before any event: the backup answers
+        assert [event["type"] for event in events][:1] == ["response.created"]
+        assert events[-1]["type"] == "response.completed"
+        assert [r.json["model"] for r in responses_requests(upstream)] == ["gpt", "other"]
+        assert turn(ws, model="gpt", input="second")[-1]["type"] == "response.completed"
+        limited = turn(ws, model="gpt", input="third")[-1]  # the tenant's 2 a minute are spent: per turn, not socket
+        assert limited["type"] == "error"
+        assert limited["status"] == 429
+        assert limited["error"]["code"] == "rate_limit_exceeded"
+        assert int(limited["headers"]["retry-after"]) >= 1

@@ -32,6 +32,8 @@ from gateway.messages.api import PATHS as MESSAGE_PATHS
 from gateway.pipeline import refusal_line
 from gateway.responses.api import JOB_PREFIX
 from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
+from gateway.responses.sockets import PATHS as SOCKET_PATHS
+from gateway.responses.sockets import deny
 from gateway.runtime import Runtime
 from gateway.server import lifeline
 from gateway.server.admin import AdminListener
@@ -69,6 +71,10 @@ MAX_DIRECT_ROUTES = 1024  # deployments' paths remembered; past it a handler is 
 # neither proxy-headers middleware nor a server header, since nothing on the request path reads them.
 SERVER_OPTIONS: dict[str, object] = {
     "http": "gateway.server.protocol:GatewayProtocol",  # httptools, with limits on heads and slow clients
+    # The Responses API's WebSocket mode: uvicorn's wsproto protocol with the gateway's limit and shutdown. No
+    # per-message compression: it costs CPU on every event, and the SSE path sends its events uncompressed too.
+    "ws": "gateway.server.websocket:SocketProtocol",
+    "ws_per_message_deflate": False,
     "lifespan": "on",
     "access_log": False,
     "proxy_headers": False,
@@ -80,6 +86,8 @@ class Gateway:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.runtime: Runtime | None = None
+        # Read by the WebSocket protocol (gateway/server/websocket.py) for each connection it opens.
+        self.socket_message_limit = settings.responses.websocket.max_message_bytes
         # One list for both APIs' clients: OpenAI's fields and Anthropic's (type, display_name, created_at, the
         # page's first_id, last_id and has_more); each SDK reads its own and ignores the others.
         models = [
@@ -143,6 +151,9 @@ class Gateway:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self.socket(scope, receive, send)
+            return
         if scope["type"] == "http":
             path: str = scope["path"]
             route = proxy_route(path)
@@ -175,6 +186,19 @@ class Gateway:
                     await runtime.responses.handle(scope, receive, send, rest, jobs)
                 return
         await self.site(scope, receive, send)
+
+    async def socket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket: the Responses API's WebSocket mode on its paths; anywhere else a 404 before the upgrade."""
+        runtime = self.runtime
+        rid = request_id(scope["headers"])
+        if runtime is None:
+            await deny(send, errors.ServiceUnavailableError("gateway is starting"), rid)
+        elif scope["path"] in SOCKET_PATHS:
+            await runtime.sockets.serve(scope, receive, send)
+        else:
+            error = errors.NotFoundError("unknown URL", code="unknown_url")
+            await deny(send, error, rid)
+            self._refused(f"GET {scope['path']} (websocket)", error, rid)
 
     def direct_route(self, path: bytes) -> Handler | None:
         """The handler of a POST to `path` that the HTTP/1.1 protocol may run without ASGI (server/direct.py),

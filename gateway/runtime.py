@@ -12,6 +12,7 @@ from gateway.messages.api import Messages
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
 from gateway.responses.api import Responses
+from gateway.responses.sockets import Sockets
 from gateway.server.collector import Collector
 from gateway.settings import Settings
 from gateway.state.resp import parse_url
@@ -46,6 +47,7 @@ class Runtime:
         self.pipeline.route = self.responses.route
         self.pipeline.admit = self.responses.admit
         self.messages = Messages(settings, self.upstreams, self.pipeline)
+        self.sockets = Sockets(settings, self.pipeline, self.meter)  # the Responses API's WebSocket mode
         self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 
@@ -133,6 +135,7 @@ class Runtime:
                 await shutdown()
             except Exception:
                 log.exception("plugin %s: shutdown failed", name)
+        await self.sockets.aclose()
         await self.responses.aclose()
         await self.warmup.aclose()
         await self.upstreams.aclose()

@@ -283,11 +283,25 @@ class ShutdownSettings(Strict):
     grace_s: float = Field(30.0, ge=0)  # requests in flight may finish this long after SIGTERM
 
 
+class WebSocketSettings(Strict):
+    """`responses.websocket`: the Responses API's WebSocket mode (gateway/responses/socket.py)."""
+
+    enabled: bool = True  # false: an upgrade on /v1/responses is refused with a 404, as before
+    max_connections: int = Field(1000, ge=1)  # open sockets per process; past it the upgrade gets a 429
+    max_per_tenant: int = Field(100, ge=1)  # open sockets per tenant and process; past it a 429
+    max_lifetime_s: float = Field(3600.0, gt=0)  # then `websocket_connection_limit_reached`, as OpenAI's 60 minutes
+    idle_timeout_s: float = Field(600.0, gt=0)  # a socket with no turn running nor message for this long is closed
+    max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)  # a bigger client message closes the socket: 1009
+    max_in_flight: int = Field(16, ge=1)  # responses running or waiting on one socket, as OpenAI's
+    max_streams: int = Field(32, ge=1)  # named lanes (`stream_id`) on one socket, as OpenAI's
+
+
 class ResponsesSettings(Strict):
     # No longer routes anything: an id without an owner record is a 404, never forwarded (accepted so that
     # older configs still load; a warning at start-up says it is ignored).
     default_model: str | None = None
     index_ttl_s: float = Field(30 * 86400.0, gt=0)  # how long the gateway remembers who created a response
+    websocket: WebSocketSettings = WebSocketSettings()
 
 
 class BackgroundSettings(Strict):

@@ -13,7 +13,8 @@ Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare g
 export at two sample ratios), `full` (every stage on at once, every request a cache miss), and, with processes
 of their own (bench_scale), `workers` (one worker against two) and `streams` (10,000 streams in one); `routing`
 (the route policies over simulated replicas, bench_routing) and `instructions` (instructions per request under
-callgrind, bench_instructions) are not in `all`. This module parses the command line
+callgrind, bench_instructions) and `websocket` (the Responses API over WebSocket against HTTP, bench_websocket)
+are not in `all`. This module parses the command line
 and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
 in its own module, the page in bench_report.
 """
@@ -45,7 +46,10 @@ ROUTING = "routing"
 INSTRUCTIONS = "instructions"
 # Against real llama.cpp servers (tools/bench_real.py, which needs the built llama-server); not part of `all`.
 REAL = "real"
-EXTRA = (ROUTING, INSTRUCTIONS, REAL)
+# The Responses API over WebSocket against HTTP, with its own simulated upstream and gateway
+# (tools/bench_websocket.py); not part of `all`.
+WEBSOCKET = "websocket"
+EXTRA = (ROUTING, INSTRUCTIONS, REAL, WEBSOCKET)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -208,6 +212,13 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         if not options.scenarios or status:
             return status
 
+    if WEBSOCKET in options.scenarios:
+        from tools import bench_websocket
+
+        status = bench_websocket.main(options.preset, options.write)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != WEBSOCKET))
+        if not options.scenarios or status:
+            return status
     # The scenarios that start their own processes run after the rig's, which they would disturb.
     own = tuple(name for name in options.scenarios if name in bench_scale.OWN_PROCESSES)
     rigged = tuple(name for name in options.scenarios if name not in own)

@@ -1,0 +1,18 @@
+"""`sluice bench --scenario websocket` at its smallest: a real sim, gateway and both clients; no timing asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools import bench_websocket
+
+
+def test_the_websocket_scenario_runs_and_writes_its_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    written = tmp_path / "ws.md"
+    assert bench_websocket.main("smoke", str(written)) == 0
+    text = written.read_text()
+    assert text == capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["side", "direct", "http", "websocket", "20-turn loop", "http", "websocket"]

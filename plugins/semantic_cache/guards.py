@@ -45,6 +45,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plugins.semantic_cache import lexicon
+
 # --- vocabularies -------------------------------------------------------------------------------------------
 
 
@@ -105,8 +107,19 @@ QUANTIFIERS = frozenset(_words("all every each most some any none few many sever
 # "each day", "every month", "per week", "a year": the same scope as "daily", "monthly", "weekly", "yearly".
 PERIODS = {"day": "daily", "week": "weekly", "month": "monthly", "year": "yearly", "hour": "hourly", "night": "nightly"}
 # Direction markers: a word moved from one side of one to the other reverses the request.
-ORDER_MARKERS = frozenset(_words("to into from than before after over onto towards toward"))
-ORDER_TAGS = frozenset(f"<{m}>" for m in ORDER_MARKERS)  # how a marker stands in a profile's content
+ORDER_MARKERS = frozenset(_words("to into from than before after over onto towards toward against instead of on for"))
+# Markers that say the same: "change X into Y" is "convert X to Y", "use X instead of Y" is "X for Y".
+_MARKER_SAME = {"into": "to", "towards": "to", "toward": "to", "onto": "on", "instead": "for"}
+ORDER_TAGS = frozenset(f"<{_MARKER_SAME.get(m, m)}>" for m in ORDER_MARKERS)  # a marker in a profile's content
+# Words after which "to" starts an infinitive ("how to", "possible to", "want to"), not a direction.
+_INFINITIVE_TAKERS = frozenset(
+    _words("""how what where when way ways possible impossible able unable want wants need needs try trying going
+    have has had like love hate easy hard best time steps step order used supposed allowed plan decide learn
+    better safe ok okay okay good fastest quickest easiest cheapest simplest""")
+)
+# Words that join two things without ranking them: "X and Y", "X or Y", "X vs Y" say nothing of roles.
+COORDINATORS = frozenset(_words("and or vs versus nor &"))
+COORDINATOR_TAG = "<&>"
 
 NUMBER_WORDS = {
     w: i
@@ -352,9 +365,6 @@ class Token:
     clause: int  # index of the sentence it is in
 
 
-Sides = dict[str, tuple[tuple[frozenset[str], frozenset[str]], ...]]
-
-
 @dataclass(frozen=True)
 class Profile:
     """What one prompt holds, for comparisons: computed once per prompt."""
@@ -362,7 +372,6 @@ class Profile:
     text: str  # lower case, words separated by single spaces (for "does the other contain this phrase")
     content: tuple[str, ...]  # content word stems in order (stop and filler words out), with order markers kept
     clauses: tuple[int, ...]  # the clause of each content entry
-    sides: Sides  # each direction marker's neighbours: (words before it, words after it), per occurrence
     stems: frozenset[str]  # every word's stem, stop words included
     quoted: tuple[str, ...]
     code: frozenset[str]
@@ -377,6 +386,27 @@ class Profile:
     ]  # runs of capitalised words: (initials, stems), "nyc" for New York City
     scope: frozenset[str]
     quantifiers: frozenset[str]
+    words: frozenset[str] = frozenset()  # every word, lower case, as written (for affixes and antonyms)
+    instructions: frozenset[str] = frozenset()  # kinds of length, depth or format instruction (lexicon.py)
+
+
+_HYPHENATED_PREFIX = re.compile(r"\b(non|un|anti|dis)-(?=[a-z])", re.IGNORECASE)
+# A one-letter language name ("C", "R") only where a language stands: "in C", "C code", not "vitamin C".
+_LANGUAGE_BEFORE = frozenset(_words("in using with for to from into write learn"))
+_LANGUAGE_AFTER = frozenset(
+    _words("code program programs programming language function functions script library compiler pointer array")
+)
+# "How long", "how far", "how much": a question that leaves the answer's unit open matches one that names it.
+_OPEN_MEASURE = re.compile(r"\bhow (?:long|far|much|many|big|heavy|fast|tall|old|hot|cold|often)\b")
+_STEM_SYNONYM: dict[str, str] = {}
+
+
+def _canonical(s: str) -> str:
+    """A content word's stem, a synonym folded into its group's first word ("costly" -> "expens")."""
+    if not _STEM_SYNONYM:
+        for word, canonical in lexicon.SYNONYM.items():
+            _STEM_SYNONYM[stem(word)] = stem(canonical)
+    return _STEM_SYNONYM.get(s, s)
 
 
 def _normal_text(text: str) -> str:
@@ -442,6 +472,9 @@ def _numbers_from_words(words: list[str]) -> tuple[list[tuple[int, float]], set[
 
 def profile(text: str) -> Profile:
     """Reduce a prompt to what the comparison needs (see the module's docstring)."""
+    text = lexicon.spell_out(text)
+    told = lexicon.instructions(text.lower())
+    text = _HYPHENATED_PREFIX.sub(r"\1", text)  # "non-toxic" is one word, "nontoxic", as "unsafe" is
     tokens = _tokens(text)
     words = [t.word for t in tokens]
     inner = [t for t in tokens if t.word[:1].isalpha() and len(t.word) > 3 and not t.sentence_start]
@@ -503,6 +536,9 @@ def profile(text: str) -> Profile:
             clauses.append(token.clause)
             continue
         named = w not in _AMBIGUOUS_LANGUAGES or (token.capitalised and not token.sentence_start)
+        if named and len(w) == 1:
+            after = words[i + 1] if i + 1 < len(words) else ""
+            named = before in _LANGUAGE_BEFORE or after in _LANGUAGE_AFTER
         if w in LANGUAGES and named and not (w == "c" and is_number):  # "20 C" is a temperature
             languages.add(LANGUAGES[w])
             content.append(LANGUAGES[w])
@@ -517,8 +553,14 @@ def profile(text: str) -> Profile:
         if w in NEGATIONS:
             negated = True
             continue
+        if w == "to" and before in _INFINITIVE_TAKERS:
+            continue  # "how to", "possible to bring": an infinitive, not a direction
         if w in ORDER_MARKERS:
-            content.append(f"<{w}>")
+            content.append(f"<{_MARKER_SAME.get(w, w)}>")
+            clauses.append(token.clause)
+            continue
+        if w in COORDINATORS:
+            content.append(COORDINATOR_TAG)
             clauses.append(token.clause)
             continue
         if w in STOP_WORDS or w in FILLER_WORDS:
@@ -532,7 +574,7 @@ def profile(text: str) -> Profile:
             or (token.capitalised and not token.sentence_start and not title_case)
         ):
             entities.add(s)
-        content.append(s)
+        content.append(_canonical(s))
         clauses.append(token.clause)
 
     numbers.extend(word_numbers)
@@ -553,7 +595,6 @@ def profile(text: str) -> Profile:
         text=f" {_normal_text(text)} ",
         content=tuple(content),
         clauses=tuple(clauses),
-        sides=_marker_sides(content, clauses),
         stems=frozenset(stem(w) for w in words),
         quoted=tuple(q for q in quoted if q),
         code=code,
@@ -566,6 +607,8 @@ def profile(text: str) -> Profile:
         runs=tuple(runs),
         scope=frozenset(scope),
         quantifiers=frozenset(quantifiers),
+        words=frozenset(words),
+        instructions=told,
     )
 
 
@@ -587,10 +630,26 @@ def _expanded(a: Profile, b: Profile) -> set[str]:
     return explained
 
 
+_DEMONYM_ENDINGS = ("n", "an", "ian", "ean", "ese", "ish", "i")
+
+
+def _same_name(x: str, y: str) -> bool:
+    """Whether two stems name the same thing: a typo of it, or its adjective ("europ" / "european")."""
+    if lexicon.typo_of(x, y):
+        return True
+    short, long = (x, y) if len(x) < len(y) else (y, x)
+    return len(short) >= 4 and long.startswith(short) and long[len(short) :] in _DEMONYM_ENDINGS
+
+
 def _entities_differ(a: Profile, b: Profile) -> bool:
     # A word capitalised in one prompt names the same thing in the other, where it may be written in lower case.
     differing = (a.stems ^ b.stems) & (a.entities | b.entities)
-    return bool(differing - _expanded(a, b) - _expanded(b, a))
+    differing -= _expanded(a, b) | _expanded(b, a)
+    for x in differing:
+        other = b.stems - a.stems if x in a.stems else a.stems - b.stems
+        if not any(_same_name(x, y) for y in other):
+            return True
+    return False
 
 
 _OPPOSITE_STEMS: dict[str, set[str]] = {}
@@ -606,35 +665,155 @@ def _opposed(a: Profile, b: Profile) -> bool:
     return any(_OPPOSITE_STEMS.get(w, set()) & only_b for w in only_a)
 
 
-def _swapped(a: Profile, b: Profile) -> bool:
-    """Whether some word sits before a direction marker in one prompt and after it in the other, and vice versa."""
-    for marker, occurrences in a.sides.items():
-        for (left_a, right_a), (left_b, right_b) in zip(occurrences, b.sides.get(marker, ()), strict=False):
-            crossed_left = (left_a & right_b) - right_a - left_b
-            crossed_right = (right_a & left_b) - left_a - right_b
-            if crossed_left and crossed_right:
+Arguments = tuple[tuple[str, ...], tuple[str, ...]]
+
+
+def _arguments(content: tuple[str, ...], clauses: tuple[int, ...], window: int = 4) -> dict[str, list[Arguments]]:
+    """For each relation marker, per occurrence: the content words before it and after it, nearest first, up to
+    the next marker or the clause's end: the two things the relation joins ("New York" <to> "Los Angeles")."""
+    found: dict[str, list[Arguments]] = {}
+    for i, word in enumerate(content):
+        if word[0] != "<" or word == COORDINATOR_TAG:
+            continue
+        sides: list[list[str]] = [[], []]
+        for side, step in ((0, -1), (1, 1)):
+            j = i + step
+            while 0 <= j < len(content) and clauses[j] == clauses[i] and content[j][0] == "<" != content[j]:
+                j += step  # "over to", "instead of": markers side by side are one
+            while 0 <= j < len(content) and clauses[j] == clauses[i] and content[j][0] != "<":
+                if len(sides[side]) < window:
+                    sides[side].append(content[j])
+                j += step
+        found.setdefault(word, []).append((tuple(sides[0]), tuple(sides[1])))
+    return found
+
+
+def _crossed(
+    left_a: tuple[str, ...], right_a: tuple[str, ...], left_b: tuple[str, ...], right_b: tuple[str, ...]
+) -> bool:
+    return bool(
+        (set(left_a) & set(right_b)) - set(left_b) - set(right_a)
+        and (set(right_a) & set(left_b)) - set(right_b) - set(left_a)
+    )
+
+
+def _marker_swapped(a: Profile, b: Profile) -> bool:
+    """Whether the things on the two sides of a shared relation marker changed sides ("X to Y" / "Y into X").
+
+    Each occurrence of a marker in one prompt is matched to the occurrence in the other whose sides agree most,
+    so that a word moved elsewhere in the sentence ("the best way to learn" / "which way of learning ... is
+    the best") is not read as a swap."""
+    args_b = _arguments(b.content, b.clauses)
+    for marker, occurrences in _arguments(a.content, a.clauses).items():
+        others = args_b.get(marker)
+        if not others:
+            continue
+        for left_a, right_a in occurrences:
+            if not left_a or not right_a:
+                continue
+            agree = [_agreement((left_a, right_a), other) for other in others]
+            for (left_b, right_b), n in zip(others, agree, strict=True):
+                if n < max(agree) or n < max(_agreement((left_b, right_b), mine) for mine in occurrences):
+                    continue  # matched better elsewhere: each occurrence is compared with its best match only
+                if _crossed(left_a, right_a, left_b, right_b):
+                    return True
+    return False
+
+
+def _agreement(one: Arguments, other: Arguments) -> int:
+    return len(set(one[0]) & set(other[0])) + len(set(one[1]) & set(other[1]))
+
+
+def _positions(content: tuple[str, ...]) -> dict[str, int]:
+    """The position of each content word that occurs once (markers and repeated words left out)."""
+    seen: dict[str, int] = {}
+    repeated: set[str] = set()
+    for i, w in enumerate(content):
+        if w[0] == "<":
+            continue
+        if w in seen:
+            repeated.add(w)
+        seen[w] = i
+    return {w: i for w, i in seen.items() if w not in repeated}
+
+
+def _between(content: tuple[str, ...], i: int, j: int) -> list[str]:
+    return list(content[min(i, j) + 1 : max(i, j)])
+
+
+def _roles_swapped(a: Profile, b: Profile) -> bool:
+    """Whether two things trade places around the same relation, whatever word says it.
+
+    - Around a verb or other word left in place: "Does caffeine cause sleep?" / "Can sleep lead to caffeine?"
+      (the same content words, "cause" = "lead", stand between them on both sides).
+    - Named things (capitalised, acronyms) in the other order, with a word between them on both sides and no
+      "and", "or" or "vs": "Did France beat Argentina?" / "Did Argentina win against France?".
+    - Two kinds of one thing in the other order: "brown rice instead of white rice" / "white rice for brown
+      rice" (the same word after each)."""
+    pos_a, pos_b = _positions(a.content), _positions(b.content)
+    shared = [w for w in pos_a if w in pos_b]
+    named = a.entities | b.entities
+    for n, u in enumerate(shared):
+        for v in shared[n + 1 :]:
+            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
+                continue  # the same order
+            between_a = _between(a.content, pos_a[u], pos_a[v])
+            between_b = _between(b.content, pos_b[u], pos_b[v])
+            if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
+                continue
+            words_a = {w for w in between_a if w[0] != "<"}
+            words_b = {w for w in between_b if w[0] != "<"}
+            if words_a and words_a == words_b and len(words_a) <= 2:
+                return True
+            if u in named and v in named and words_a - named and words_b - named:
+                return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
+    return _heads_swapped(a, b)
+
+
+def _heads_swapped(a: Profile, b: Profile) -> bool:
+    """ "u h ... v h" in one and "v h ... u h" in the other: two kinds of one thing swapped."""
+
+    def kinds(content: tuple[str, ...]) -> list[tuple[str, str, int]]:
+        return [(content[i], content[i + 1], i) for i in range(len(content) - 1) if content[i][0] != "<"]
+
+    in_b = {(u, h): i for u, h, i in kinds(b.content)}
+    found = kinds(a.content)
+    for u, h, i in found:
+        for v, h2, j in found:
+            if h2 != h or v == u or j <= i or (u, h) not in in_b or (v, h) not in in_b:
+                continue
+            if in_b[(v, h)] < in_b[(u, h)] and COORDINATOR_TAG not in a.content[i:j]:
                 return True
     return False
 
 
-def _marker_sides(content: list[str], clauses: list[int], window: int = 4) -> Sides:
-    """For each direction marker, in order: the content words just before it and just after it, in its clause."""
-    sides: dict[str, list[tuple[frozenset[str], frozenset[str]]]] = {}
-    for i, word in enumerate(content):
-        if not word.startswith("<"):
-            continue
-        clause = clauses[i]
-        left = [w for w, c in zip(content[:i], clauses[:i], strict=True) if c == clause and w[0] != "<"]
-        right = [w for w, c in zip(content[i + 1 :], clauses[i + 1 :], strict=True) if c == clause and w[0] != "<"]
-        sides.setdefault(word, []).append((frozenset(left[-window:]), frozenset(right[:window])))
-    return {marker: tuple(found) for marker, found in sides.items()}
-
-
 def _substituted(a: Profile, b: Profile) -> bool:
-    """Whether the prompts are one request with one content word swapped for another ("sugar" / "flour")."""
-    only_a = {w for w in a.content if w[0] != "<"} - set(b.content)
-    only_b = {w for w in b.content if w[0] != "<"} - set(a.content)
-    return len(only_a) == 1 and len(only_b) == 1 and bool(set(a.content) & set(b.content) - set(ORDER_TAGS))
+    """Whether the prompts are one request with one content word swapped for another ("sugar" / "flour").
+
+    Not a swap: a typo ("trian" / "train"), a synonym (folded when profiled) or another verb framing the request
+    ("convert X" / "change X")."""
+    only_a = {w for w in a.content if w[0] != "<" and w not in _FRAMING} - set(b.content)
+    only_b = {w for w in b.content if w[0] != "<" and w not in _FRAMING} - set(a.content)
+    if len(only_a) != 1 or len(only_b) != 1:
+        return False
+    (x,) = only_a
+    (y,) = only_b
+    if _same_name(x, y) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
+        return False
+    return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})
+
+
+# A verb framing the request, or a quantifier (compared by the scope rule): not what the request is about.
+_FRAMING = frozenset(stem(w) for w in lexicon.REQUEST_VERBS | QUANTIFIERS)
+
+
+def _units_differ(a: Profile, b: Profile) -> bool:
+    if a.units == b.units:
+        return False
+    # "How long is the flight?" / "How many hours is the flight?": a unit named against an open measure.
+    if not a.units and _OPEN_MEASURE.search(a.text):
+        return False
+    return not (not b.units and _OPEN_MEASURE.search(b.text))
 
 
 def compare(a: Profile, b: Profile, strict: bool = True) -> str | None:
@@ -652,19 +831,26 @@ def compare(a: Profile, b: Profile, strict: bool = True) -> str | None:
         return "date"
     if set(a.numbers) != set(b.numbers):
         return "number"
-    if a.units != b.units:
+    if _units_differ(a, b):
         return "unit"
     if a.negated != b.negated:
+        return "negation"
+    only_a, only_b = a.words - b.words, b.words - a.words
+    if lexicon.affix_negated(only_a, b.words) or lexicon.affix_negated(only_b, a.words):
         return "negation"
     if _entities_differ(a, b):
         return "entity"
     if _opposed(a, b):
         return "order"
+    if lexicon.opposed(only_a, only_b):
+        return "antonym"
     if len(a.numbers) > 1 and a.numbers != b.numbers and sorted(a.numbers) == sorted(b.numbers):
         return "order"
-    if _swapped(a, b):
+    if _marker_swapped(a, b) or _marker_swapped(b, a) or _roles_swapped(a, b):
         return "order"
     if a.scope != b.scope or (a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers):
+        return "scope"
+    if a.instructions != b.instructions:
         return "scope"
     if strict and _substituted(a, b):
         return "substitution"

@@ -376,9 +376,9 @@ def pairs() -> Iterator[tuple[str, tuple[str, str, bool, str]]]:
     for a, b in NEGATABLE:
         for p in _recall_variants(a, b, rng):
             yield a, p
-        negated = _negate(b)
-        if negated is not None:
-            yield a, (a, negated, False, "negation")
+        not_b = _negate(b)
+        if not_b is not None:
+            yield a, (a, not_b, False, "negation")
     opposite = {one: other for one, other in ANTONYMS} | {other: one for one, other in ANTONYMS}
     for ta, tb, words in SUPERLATIVES:
         for w in words:

@@ -9,6 +9,7 @@ one-letter typos) follow from the language, so that a word never listed still be
 from __future__ import annotations
 
 import re
+from collections.abc import Set as AbstractSet
 from functools import lru_cache
 
 
@@ -18,8 +19,8 @@ def _words(text: str) -> list[str]:
 
 # -- antonyms: base forms; comparatives and superlatives follow by rule ("rich" / "poor" -> "richest" / "poorest")
 _ANTONYMS = _words("""good/bad cheap/expensive cheap/costly easy/difficult easy/hard safe/dangerous safe/unsafe
-rich/poor young/old new/old large/small big/small big/little great/small tall/short long/short high/low hot/cold warm/cold
-wet/dry heavy/light deep/shallow thick/thin wide/narrow strong/weak fast/slow quick/slow early/late happy/sad
+rich/poor young/old new/old large/small big/small big/little great/small tall/short long/short high/low hot/cold
+warm/cold wet/dry heavy/light deep/shallow thick/thin wide/narrow strong/weak fast/slow quick/slow early/late happy/sad
 loud/quiet full/empty common/rare popular/unpopular clean/dirty light/dark soft/hard sweet/bitter simple/complex
 simple/complicated near/far close/far open/closed public/private internal/external urban/rural modern/ancient
 natural/artificial healthy/unhealthy fresh/stale raw/cooked alive/dead male/female smooth/rough tight/loose
@@ -83,7 +84,7 @@ def lemma(word: str) -> str:
     return LEMMA.get(word, word)
 
 
-def opposed(only_a: set[str], only_b: set[str]) -> bool:
+def opposed(only_a: AbstractSet[str], only_b: AbstractSet[str]) -> bool:
     """Whether a word on one side only has its opposite on the other side only (degrees folded: "cheapest" /
     "most expensive", "largest" / "smallest")."""
     lemmas_b = {lemma(w) for w in only_b}
@@ -94,7 +95,7 @@ def opposed(only_a: set[str], only_b: set[str]) -> bool:
 NEGATING_PREFIXES = ("non", "un", "in", "im", "il", "ir", "dis", "anti")
 
 
-def affix_negated(only_a: set[str], words_b: set[str]) -> bool:
+def affix_negated(only_a: AbstractSet[str], words_b: AbstractSet[str]) -> bool:
     """Whether a word of one side is a word of the other with a negating prefix ("unsafe" / "safe")."""
     for w in only_a:
         for prefix in NEGATING_PREFIXES:

@@ -388,6 +388,7 @@ class Profile:
     quantifiers: frozenset[str]
     words: frozenset[str] = frozenset()  # every word, lower case, as written (for affixes and antonyms)
     instructions: frozenset[str] = frozenset()  # kinds of length, depth or format instruction (lexicon.py)
+    subject: str = ""  # the subject of a question ("does caffeine affect ..."), as its content stem, or ""
 
 
 _HYPHENATED_PREFIX = re.compile(r"\b(non|un|anti|dis)-(?=[a-z])", re.IGNORECASE)
@@ -609,7 +610,29 @@ def profile(text: str) -> Profile:
         quantifiers=frozenset(quantifiers),
         words=frozenset(words),
         instructions=told,
+        subject=_subject(tokens),
     )
+
+
+# Auxiliaries that put a subject before a verb ("does X affect Y", "can X lead to Y"); "is" is left out, as
+# "what is the meaning of X" has no subject-verb order to read.
+_AUXILIARIES = frozenset(_words("do does did can could will would should"))
+_DETERMINERS = frozenset(_words("a an the my your his her their our its this that these those some any"))
+
+
+def _subject(tokens: list[Token]) -> str:
+    """The subject of a question: the first word after its first auxiliary ("How does caffeine affect sleep?",
+    "What effect does sleep have on caffeine?"), unless a pronoun is there."""
+    for i, token in enumerate(tokens):
+        if token.word not in _AUXILIARIES:
+            continue
+        j = i + 1
+        while j < len(tokens) and tokens[j].word in _DETERMINERS:
+            j += 1
+        if j >= len(tokens) or tokens[j].word in STOP_WORDS or tokens[j].word in FILLER_WORDS:
+            return ""
+        return _canonical(stem(tokens[j].word))
+    return ""
 
 
 def _quoted_missing(a: Profile, b: Profile) -> bool:
@@ -750,6 +773,9 @@ def _roles_swapped(a: Profile, b: Profile) -> bool:
       "and", "or" or "vs": "Did France beat Argentina?" / "Did Argentina win against France?".
     - Two kinds of one thing in the other order: "brown rice instead of white rice" / "white rice for brown
       rice" (the same word after each)."""
+    x, y = a.subject, b.subject
+    if x and y and x != y and x in b.content and y in a.content:
+        return True  # the subject of one is the object of the other
     pos_a, pos_b = _positions(a.content), _positions(b.content)
     shared = [w for w in pos_a if w in pos_b]
     named = a.entities | b.entities

@@ -26,6 +26,7 @@ import hashlib
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "plugins" / "semantic_cache" / "pairs"
@@ -129,6 +130,7 @@ AFFIX_WORDS = [
     ("honest", "dishonest"),
     ("responsible", "irresponsible"),
     ("possible", "impossible"),
+    ("secure", "insecure"),
 ]
 AFFIX_FIT = {  # which words make sense in which template (by index)
     0: ["healthy"],
@@ -346,11 +348,26 @@ def _recall_variants(a: str, b: str, rng: random.Random) -> Iterator[tuple[str, 
         yield a, synonym, True, "synonym"
 
 
-def pairs() -> Iterator[tuple[str, tuple[str, str, bool, str]]]:
+@dataclass(frozen=True)
+class Seeds:
+    relations: list[tuple[str, str, str]]
+    arguments: dict[str, list[tuple[str, str]]]
+    requests: list[tuple[str, str]]
+    affixed: list[tuple[str, str]]
+    affix_fit: dict[int, list[str]]
+    negatable: list[tuple[str, str]]
+    superlatives: list[tuple[str, str, list[str]]]
+    quantities: list[tuple[str, str, tuple[str, str]]]
+
+
+FIRST = Seeds(RELATIONS, ARGUMENTS, REQUESTS, AFFIXED, AFFIX_FIT, NEGATABLE, SUPERLATIVES, QUANTITIES)
+
+
+def pairs(seeds: Seeds = FIRST, seed: int = SEED) -> Iterator[tuple[str, tuple[str, str, bool, str]]]:
     """(the seed template, pair) for every pair, in a fixed order."""
-    rng = random.Random(SEED)
-    for ta, tb, kind in RELATIONS:
-        for x, y in ARGUMENTS[kind]:
+    rng = random.Random(seed)
+    for ta, tb, kind in seeds.relations:
+        for x, y in seeds.arguments[kind]:
             a = ta.format(x=x, y=y)
             b = tb.format(x=x, y=y)
             b = b[0].upper() + b[1:]
@@ -358,39 +375,124 @@ def pairs() -> Iterator[tuple[str, tuple[str, str, bool, str]]]:
                 yield ta, p
             swapped = tb.format(x=y, y=x)
             yield ta, (a, swapped[0].upper() + swapped[1:], False, "swap")
-    for n, (a, b) in enumerate(REQUESTS):
+    for n, (a, b) in enumerate(seeds.requests):
         for p in _recall_variants(a, b, rng):
             yield a, p
         yield a, (a, _with_scope(b, SCOPES[n % len(SCOPES)]), False, "scope")
         yield a, (_with_scope(a, SCOPES[(n + 5) % len(SCOPES)]), b, False, "scope")
         short, long = OPPOSITE_SCOPES[n % len(OPPOSITE_SCOPES)]
         yield a, (_with_scope(a, short), _with_scope(b, long), False, "scope")
-    for n, (ta, tb) in enumerate(AFFIXED):
+    for n, (ta, tb) in enumerate(seeds.affixed):
         for plain, negated in AFFIX_WORDS:
-            if plain not in AFFIX_FIT[n]:
+            if plain not in seeds.affix_fit[n]:
                 continue
             a = ta.format(w=plain)
             for p in _recall_variants(a, tb.format(w=plain), rng):
                 yield ta, p
             yield ta, (a, tb.format(w=negated), False, "affix")
-    for a, b in NEGATABLE:
+    for a, b in seeds.negatable:
         for p in _recall_variants(a, b, rng):
             yield a, p
         not_b = _negate(b)
         if not_b is not None:
             yield a, (a, not_b, False, "negation")
     opposite = {one: other for one, other in ANTONYMS} | {other: one for one, other in ANTONYMS}
-    for ta, tb, words in SUPERLATIVES:
+    for ta, tb, words in seeds.superlatives:
         for w in words:
             a = ta.format(w=w)
             for p in _recall_variants(a, tb.format(w=w), rng):
                 yield ta, p
             yield ta, (a, tb.format(w=opposite[w]), False, "antonym")
-    for ta, tb, (q, other) in QUANTITIES:
+    for ta, tb, (q, other) in seeds.quantities:
         a = ta.format(q=q)
         for p in _recall_variants(a, tb.format(q=q), rng):
             yield ta, p
         yield ta, (a, tb.format(q=other), False, "quantity")
+
+
+# -- a second holdout: seeds written after the guards' first round of changes, frozen before the second round,
+# all held out (transformed-late.jsonl)
+LATE = Seeds(
+    relations=[
+        ("Convert {x} into {y}", "What's the way to turn {x} into {y}?", "format"),
+        ("Is {x} older than {y}?", "Was {x} founded before {y}?", "org"),
+        ("Can I send money from {x} to {y}?", "Is it possible to transfer money from {x} to {y}?", "bank"),
+        ("Why does {x} chase {y}?", "What makes {x} chase {y}?", "animal"),
+        ("How do I drive from {x} to {y}?", "What's the driving route from {x} to {y}?", "city2"),
+        ("Should I switch from {x} to {y}?", "Is it worth moving from {x} to {y}?", "phone"),
+        ("Does {x} weigh more than {y}?", "Is {x} heavier than {y}?", "thing"),
+        ("Can {x} replace {y} in a recipe?", "Is {x} a good replacement for {y} in a recipe?", "food2"),
+        ("Who won the match between {x} and {y} when {x} played at home?", "When {x} hosted {y}, who won?", "club"),
+        ("Is it cheaper to fly from {x} to {y} on weekdays?", "Are weekday flights from {x} to {y} cheaper?", "city2"),
+        ("What does {x} owe {y} under the lease?", "Under the lease, what is {x} liable to pay {y}?", "party"),
+        ("How do I export my contacts from {x} to {y}?", "What's the way to move contacts from {x} to {y}?", "phone"),
+    ],
+    arguments={
+        "format": [("a Word document", "a PDF"), ("a PNG image", "a JPEG"), ("CSV", "JSON")],
+        "org": [("Harvard University", "Oxford University"), ("Coca-Cola", "Pepsi")],
+        "bank": [("PayPal", "my bank account"), ("a savings account", "a checking account")],
+        "animal": [("a dog", "a cat"), ("a fox", "a rabbit")],
+        "city2": [("Berlin", "Munich"), ("Rio de Janeiro", "Sao Paulo"), ("Hong Kong", "New Delhi")],
+        "phone": [("an iPhone", "an Android phone"), ("Gmail", "Outlook")],
+        "thing": [("a liter of water", "a liter of milk"), ("a bowling ball", "a watermelon")],
+        "food2": [("applesauce", "butter"), ("Greek yogurt", "sour cream")],
+        "club": [("Liverpool", "Chelsea"), ("Bayern Munich", "Borussia Dortmund")],
+        "party": [("the tenant", "the landlord"), ("the buyer", "the seller")],
+    },
+    requests=[
+        ("How does a heat pump work?", "Explain how heat pumps work"),
+        ("What is inflation?", "Tell me what inflation is"),
+        ("How do I negotiate a salary?", "What's the way to negotiate my pay?"),
+        ("Explain the rules of chess", "What are the rules of chess?"),
+        ("What is machine learning?", "Explain machine learning to me"),
+        ("How do solar panels make electricity?", "Explain how solar panels generate power"),
+        ("Describe the water cycle", "How does the water cycle work?"),
+        ("What is a credit score?", "Explain what a credit score is"),
+    ],
+    affixed=[
+        ("Is it {w} to record a phone call without consent?", "Would recording a call without consent be {w}?"),
+        ("What makes a password {w}?", "Why is a password considered {w}?"),
+        ("Name some {w} beers", "Which beers are {w}?"),
+        ("How can I tell if a mushroom is {w}?", "What shows that a mushroom is {w}?"),
+    ],
+    affix_fit={0: ["legal"], 1: ["secure"], 2: ["alcoholic"], 3: ["toxic", "safe"]},
+    negatable=[
+        ("Which vegetables can be eaten raw?", "What vegetables are fine to eat raw?"),
+        ("Should I water succulents every week?", "Do succulents need watering weekly?"),
+        ("Which airlines allow pets in the cabin?", "What airlines let pets fly in the cabin?"),
+        ("Can I pay with a credit card at the airport?", "Is paying by credit card possible at the airport?"),
+        ("Which countries require a visa for US citizens?", "What countries do US citizens need a visa for?"),
+    ],
+    superlatives=[
+        (
+            "What is the {w} planet in the solar system?",
+            "Which planet in the solar system is the {w}?",
+            ["largest", "hottest"],
+        ),
+        (
+            "Which programming language is the {w} to learn?",
+            "What is the {w} programming language to learn?",
+            ["easiest"],
+        ),
+        ("What are the {w} of nuclear power?", "What {w} does nuclear power have?", ["benefits", "strengths"]),
+        ("Why do prices {w} in winter?", "What makes prices {w} during winter?", ["increase"]),
+        ("Which month is the {w} in Sydney?", "What is the {w} month in Sydney?", ["hottest", "wet"]),
+    ],
+    quantities=[
+        (
+            "How much caffeine is in {q} of espresso?",
+            "What is the caffeine content of {q} of espresso?",
+            ("a shot", "a liter"),
+        ),
+        (
+            "How many times should I brush my teeth per {q}?",
+            "How often should I brush my teeth each {q}?",
+            ("day", "week"),
+        ),
+        ("Suggest {q} names for a cat", "Give me {q} cat name ideas", ("a few", "fifty")),
+        ("How far can I walk in {q}?", "What distance can I walk in {q}?", ("an hour", "a day")),
+    ],
+)
 
 
 def main() -> None:
@@ -403,9 +505,14 @@ def main() -> None:
         seen.add((a, b))
         line = json.dumps({"a": a, "b": b, "same": same, "kind": kind}, ensure_ascii=False)
         (holdout if _held_out(template) else tuning).append(line)
-    (OUT / "transformed.jsonl").write_text("\n".join(tuning) + "\n")
-    (OUT / "transformed-holdout.jsonl").write_text("\n".join(holdout) + "\n")
-    print(f"transformed.jsonl: {len(tuning)} pairs; transformed-holdout.jsonl: {len(holdout)} pairs")
+    late: list[str] = []
+    for _, (a, b, same, kind) in pairs(LATE, SEED + 1):
+        if (a, b) not in seen and a != b:
+            seen.add((a, b))
+            late.append(json.dumps({"a": a, "b": b, "same": same, "kind": kind}, ensure_ascii=False))
+    for name, lines in (("transformed", tuning), ("transformed-holdout", holdout), ("transformed-late", late)):
+        (OUT / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        print(f"{name}.jsonl: {len(lines)} pairs")
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ ORDER_TAGS = frozenset(f"<{_MARKER_SAME.get(m, m)}>" for m in ORDER_MARKERS)  # 
 _INFINITIVE_TAKERS = frozenset(
     _words("""how what where when way ways possible impossible able unable want wants need needs try trying going
     have has had like love hate easy hard best time steps step order used supposed allowed plan decide learn
-    better safe ok okay okay good fastest quickest easiest cheapest simplest""")
+    better safe ok okay good take takes took taking fastest quickest easiest cheapest simplest""")
 )
 # Words that join two things without ranking them: "X and Y", "X or Y", "X vs Y" say nothing of roles.
 COORDINATORS = frozenset(_words("and or vs versus nor &"))
@@ -622,16 +622,19 @@ _DETERMINERS = frozenset(_words("a an the my your his her their our its this tha
 
 def _subject(tokens: list[Token]) -> str:
     """The subject of a question: the first word after its first auxiliary ("How does caffeine affect sleep?",
-    "What effect does sleep have on caffeine?"), unless a pronoun is there."""
+    "What effect does sleep have on caffeine?") or what "how many" counts ("how many cups are in a gallon"),
+    unless a pronoun is there."""
     for i, token in enumerate(tokens):
-        if token.word not in _AUXILIARIES:
+        counted = token.word in ("many", "much") and i > 0 and tokens[i - 1].word == "how"
+        if token.word not in _AUXILIARIES and not counted:
             continue
         j = i + 1
         while j < len(tokens) and tokens[j].word in _DETERMINERS:
             j += 1
         if j >= len(tokens) or tokens[j].word in STOP_WORDS or tokens[j].word in FILLER_WORDS:
             return ""
-        return _canonical(stem(tokens[j].word))
+        word = tokens[j].word
+        return UNITS[word] if word in UNITS else _canonical(stem(word))
     return ""
 
 
@@ -701,11 +704,11 @@ def _arguments(content: tuple[str, ...], clauses: tuple[int, ...], window: int =
         sides: list[list[str]] = [[], []]
         for side, step in ((0, -1), (1, 1)):
             j = i + step
-            while 0 <= j < len(content) and clauses[j] == clauses[i] and content[j][0] == "<" != content[j]:
-                j += step  # "over to", "instead of": markers side by side are one
-            while 0 <= j < len(content) and clauses[j] == clauses[i] and content[j][0] != "<":
-                if len(sides[side]) < window:
+            while 0 <= j < len(content) and clauses[j] == clauses[i] and len(sides[side]) < window:
+                if content[j][0] != "<":  # other markers are passed over: "better for health than X"
                     sides[side].append(content[j])
+                elif content[j] == word:
+                    break  # up to the next occurrence of the same marker
                 j += step
         found.setdefault(word, []).append((tuple(sides[0]), tuple(sides[1])))
     return found
@@ -714,18 +717,18 @@ def _arguments(content: tuple[str, ...], clauses: tuple[int, ...], window: int =
 def _crossed(
     left_a: tuple[str, ...], right_a: tuple[str, ...], left_b: tuple[str, ...], right_b: tuple[str, ...]
 ) -> bool:
-    return bool(
-        (set(left_a) & set(right_b)) - set(left_b) - set(right_a)
-        and (set(right_a) & set(left_b)) - set(right_b) - set(left_a)
-    )
+    """Whether a word of each side went to the other side; adjectives move freely ("the best way to learn" /
+    "which way of learning ... is the best") and do not count."""
+    went_right = {w for w in (set(left_a) & set(right_b)) - set(left_b) - set(right_a) if not _adjective(w)}
+    went_left = {w for w in (set(right_a) & set(left_b)) - set(right_b) - set(left_a) if not _adjective(w)}
+    return bool(went_right and went_left)
 
 
 def _marker_swapped(a: Profile, b: Profile) -> bool:
     """Whether the things on the two sides of a shared relation marker changed sides ("X to Y" / "Y into X").
 
-    Each occurrence of a marker in one prompt is matched to the occurrence in the other whose sides agree most,
-    so that a word moved elsewhere in the sentence ("the best way to learn" / "which way of learning ... is
-    the best") is not read as a swap."""
+    A side runs to the clause's end or the next occurrence of the same marker, passing over other markers
+    ("better for your health than X"), at most four content words, nearest first."""
     args_b = _arguments(b.content, b.clauses)
     for marker, occurrences in _arguments(a.content, a.clauses).items():
         others = args_b.get(marker)
@@ -734,17 +737,9 @@ def _marker_swapped(a: Profile, b: Profile) -> bool:
         for left_a, right_a in occurrences:
             if not left_a or not right_a:
                 continue
-            agree = [_agreement((left_a, right_a), other) for other in others]
-            for (left_b, right_b), n in zip(others, agree, strict=True):
-                if n < max(agree) or n < max(_agreement((left_b, right_b), mine) for mine in occurrences):
-                    continue  # matched better elsewhere: each occurrence is compared with its best match only
-                if _crossed(left_a, right_a, left_b, right_b):
-                    return True
+            if any(_crossed(left_a, right_a, left_b, right_b) for left_b, right_b in others):
+                return True
     return False
-
-
-def _agreement(one: Arguments, other: Arguments) -> int:
-    return len(set(one[0]) & set(other[0])) + len(set(one[1]) & set(other[1]))
 
 
 def _positions(content: tuple[str, ...]) -> dict[str, int]:
@@ -779,6 +774,7 @@ def _roles_swapped(a: Profile, b: Profile) -> bool:
     pos_a, pos_b = _positions(a.content), _positions(b.content)
     shared = [w for w in pos_a if w in pos_b]
     named = a.entities | b.entities
+    shared = [w for w in shared if not _adjective(w)]
     for n, u in enumerate(shared):
         for v in shared[n + 1 :]:
             if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
@@ -794,6 +790,12 @@ def _roles_swapped(a: Profile, b: Profile) -> bool:
             if u in named and v in named and words_a - named and words_b - named:
                 return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
     return _heads_swapped(a, b)
+
+
+def _adjective(w: str) -> bool:
+    """A known adjective or a superlative: it moves freely ("the safest car brand" / "which car brand is the
+    safest") and bears no role."""
+    return w in lexicon.LEMMA or (w.endswith("est") and len(w) > 5)
 
 
 def _heads_swapped(a: Profile, b: Profile) -> bool:
@@ -824,13 +826,18 @@ def _substituted(a: Profile, b: Profile) -> bool:
         return False
     (x,) = only_a
     (y,) = only_b
-    if _same_name(x, y) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
+    if _same_name(x, y) or _agent(x, y) or _agent(y, x) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
         return False
     return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})
 
 
 # A verb framing the request, or a quantifier (compared by the scope rule): not what the request is about.
 _FRAMING = frozenset(stem(w) for w in lexicon.REQUEST_VERBS | QUANTIFIERS)
+
+
+def _agent(x: str, y: str) -> bool:
+    """ "speaker" / "speak", "driver" / "drive": a doer named after the deed."""
+    return x in (y + "er", y + "r", y + "or")
 
 
 def _units_differ(a: Profile, b: Profile) -> bool:

@@ -42,6 +42,7 @@ whatever the number of candidates.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -849,42 +850,53 @@ def _units_differ(a: Profile, b: Profile) -> bool:
     return not (not b.units and _OPEN_MEASURE.search(b.text))
 
 
+def _affixed(a: Profile, b: Profile) -> bool:
+    return lexicon.affix_negated(a.words - b.words, b.words) or lexicon.affix_negated(b.words - a.words, a.words)
+
+
+def _antonyms(a: Profile, b: Profile) -> bool:
+    return lexicon.opposed(a.words - b.words, b.words - a.words)
+
+
+def _numbers_reordered(a: Profile, b: Profile) -> bool:
+    return len(a.numbers) > 1 and a.numbers != b.numbers and sorted(a.numbers) == sorted(b.numbers)
+
+
+def _scoped(a: Profile, b: Profile) -> bool:
+    return a.scope != b.scope or bool(a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers)
+
+
+Check = Callable[[Profile, Profile], bool]
+# The rules in the order they are tried: (the rule's name, the kind of difference it reports, the check).
+CHECKS: tuple[tuple[str, str, Check], ...] = (
+    ("quoted", "quoted", lambda a, b: _quoted_missing(a, b) or _quoted_missing(b, a)),
+    ("code", "code", lambda a, b: _code_missing(a, b) or _code_missing(b, a)),
+    ("language", "language", lambda a, b: a.languages != b.languages),
+    ("date", "date", lambda a, b: a.dates != b.dates),
+    ("number", "number", lambda a, b: set(a.numbers) != set(b.numbers)),
+    ("unit", "unit", _units_differ),
+    ("negation", "negation", lambda a, b: a.negated != b.negated),
+    ("affix", "negation", _affixed),
+    ("entity", "entity", _entities_differ),
+    ("direction word", "order", _opposed),
+    ("antonym", "antonym", _antonyms),
+    ("numbers reordered", "order", _numbers_reordered),
+    ("relation sides", "order", lambda a, b: _marker_swapped(a, b) or _marker_swapped(b, a)),
+    ("roles", "order", _roles_swapped),
+    ("scope word", "scope", _scoped),
+    ("instruction", "scope", lambda a, b: a.instructions != b.instructions),
+)
+SUBSTITUTION: tuple[str, str, Check] = ("substitution", "substitution", _substituted)
+
+
 def compare(a: Profile, b: Profile, strict: bool = True) -> str | None:
     """The first kind in which two profiles differ (see the module's docstring), or None when nothing vetoes.
 
     `strict` adds the last rule, "substitution"; without it only the named kinds veto.
     """
-    if _quoted_missing(a, b) or _quoted_missing(b, a):
-        return "quoted"
-    if _code_missing(a, b) or _code_missing(b, a):
-        return "code"
-    if a.languages != b.languages:
-        return "language"
-    if a.dates != b.dates:
-        return "date"
-    if set(a.numbers) != set(b.numbers):
-        return "number"
-    if _units_differ(a, b):
-        return "unit"
-    if a.negated != b.negated:
-        return "negation"
-    only_a, only_b = a.words - b.words, b.words - a.words
-    if lexicon.affix_negated(only_a, b.words) or lexicon.affix_negated(only_b, a.words):
-        return "negation"
-    if _entities_differ(a, b):
-        return "entity"
-    if _opposed(a, b):
-        return "order"
-    if lexicon.opposed(only_a, only_b):
-        return "antonym"
-    if len(a.numbers) > 1 and a.numbers != b.numbers and sorted(a.numbers) == sorted(b.numbers):
-        return "order"
-    if _marker_swapped(a, b) or _marker_swapped(b, a) or _roles_swapped(a, b):
-        return "order"
-    if a.scope != b.scope or (a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers):
-        return "scope"
-    if a.instructions != b.instructions:
-        return "scope"
+    for _, kind, check in CHECKS:
+        if check(a, b):
+            return kind
     if strict and _substituted(a, b):
         return "substitution"
     return None

@@ -104,7 +104,7 @@ SCOPE_WORDS = frozenset(
 SCOPE_SYNONYMS = {"every": "all", "each": "all", "entire": "whole", "fully": "completely", "annual": "yearly"}
 # Quantifiers: prompts with different ones ("most cats" / "any cats") ask different things; one on one side only
 # ("some ways to ..." / "ways to ...") usually does not.
-QUANTIFIERS = frozenset(_words("all every each most some any none few many several no"))
+QUANTIFIERS = frozenset(_words("all every each most some any none few many several no lot lots plenty"))
 # "each day", "every month", "per week", "a year": the same scope as "daily", "monthly", "weekly", "yearly".
 PERIODS = {"day": "daily", "week": "weekly", "month": "monthly", "year": "yearly", "hour": "hourly", "night": "nightly"}
 # Direction markers: a word moved from one side of one to the other reverses the request.
@@ -400,6 +400,7 @@ _LANGUAGE_AFTER = frozenset(
 )
 # "How long", "how far", "how much": a question that leaves the answer's unit open matches one that names it.
 _OPEN_MEASURE = re.compile(r"\bhow (?:long|far|much|many|big|heavy|fast|tall|old|hot|cold|often)\b")
+_OPEN_MEASURES = frozenset(_words("long far much big heavy fast tall old hot cold often"))
 _STEM_SYNONYM: dict[str, str] = {}
 
 
@@ -827,6 +828,8 @@ def _substituted(a: Profile, b: Profile) -> bool:
         return False
     (x,) = only_a
     (y,) = only_b
+    if {x, y} & _OPEN_MEASURES and {x, y} & set(UNITS.values()):
+        return False  # "how long" / "how many hours": the unit the other leaves open
     if _same_name(x, y) or _agent(x, y) or _agent(y, x) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
         return False
     return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})

@@ -80,8 +80,14 @@ LEMMA, OPPOSITE = _lemma_table()
 
 
 def lemma(word: str) -> str:
-    """The base form of an adjective or word of the antonym list ("poorest" -> "poor"), else the word."""
-    return LEMMA.get(word, word)
+    """The base form of an adjective or word of the antonym list ("poorest" -> "poor", "weaknesses" ->
+    "weakness"), else the word."""
+    if word in LEMMA:
+        return LEMMA[word]
+    for plural in ("es", "s"):
+        if word.endswith(plural) and word[: -len(plural)] in LEMMA:
+            return LEMMA[word[: -len(plural)]]
+    return word
 
 
 def opposed(only_a: AbstractSet[str], only_b: AbstractSet[str]) -> bool:

@@ -222,10 +222,16 @@ class SemanticCache:
         if candidate is None:
             return None
         verifier = self.verifiers.get(ex.model)
-        # Past the lookup's deadline on purpose: the verifier has its own, which its config says it may spend.
-        if verifier is not None and not await verifier.same(lookup.text, candidate.entry.text, ex):
-            self._result(ex, Served("verifier", candidate.similarity))
-            return None
+        if verifier is not None:
+            # Past the lookup's deadline on purpose: the verifier has its own, which its config says it may spend.
+            started = time.perf_counter()
+            verdict = await verifier.verdict(lookup.text, candidate.entry.text, ex)
+            ex.attributes["sluice.semantic_cache.verifier"] = verdict  # in the span and the access line
+            ex.attributes["sluice.semantic_cache.verifier_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            if verdict != "yes":
+                ex.attributes["sluice.semantic_cache.similarity"] = round(candidate.similarity, 4)
+                self._result(ex, Served("verifier", candidate.similarity))
+                return None
         return self._replay(ex, candidate)
 
     def _start(self, embedder: Embedder, text: str, ex: Exchange) -> asyncio.Task[Vector]:
@@ -362,9 +368,12 @@ class SemanticCache:
                 answer = orjson.loads(body)
             except orjson.JSONDecodeError:
                 return None
-            if not isinstance(answer, dict) or answer.get("error") or not answer.get("choices"):
+            if not isinstance(answer, dict) or answer.get("error"):
                 return None
-            if not all(c.get("finish_reason") for c in answer["choices"]):
+            if ex.endpoint == "responses":
+                if answer.get("status") != "completed":
+                    return None  # failed, incomplete, queued or in progress: never stored
+            elif not answer.get("choices") or not all(c.get("finish_reason") for c in answer["choices"]):
                 return None  # cut short upstream: never stored
             data = body
         return data if data is not None and len(data) <= self.settings.max_entry_bytes else None

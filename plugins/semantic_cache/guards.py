@@ -4,10 +4,12 @@ A sentence embedding scores look-alikes ("convert 5 km to miles" / "convert 50 k
 "... in Java", "convert X to Y" / "convert Y to X") as near as true paraphrases, so no threshold separates them.
 What separates them is *what differs* between the two prompts. The rule:
 
-1. Each prompt is reduced once to a `Profile`: its word tokens lowercased, contractions split ("don't" -> "do
-   not"), possessives dropped, a tiny suffix stemmer applied ("boiling", "boiled", "boils" -> "boil"), and stop
-   words and politeness or filler words ("please", "can you", "hey", "thanks") set aside; plus what it holds
-   of each kind below, normalised ("two" = "2", "kilograms" = "kg", "js" = "javascript", "1,000" = "1000").
+1. Each prompt is reduced once to a `Profile`: chat shorthand spelled out ("u" -> "you", "w/o" -> "without"),
+   its word tokens lowercased, contractions split ("don't" -> "do not"), possessives dropped, a tiny suffix
+   stemmer applied ("boiling", "boiled", "boils" -> "boil"), common synonyms folded ("costly" -> "expensive",
+   lexicon.py), and stop words and politeness or filler words ("please", "can you", "hey", "thanks") set
+   aside; plus what it holds of each kind below, normalised ("two" = "2", "kilograms" = "kg", "js" =
+   "javascript", "1,000" = "1000").
 2. Two profiles are compared kind by kind, and the first kind in which they differ is the verdict:
    - "quoted": a quoted string of one ("...", “...”, '...') whose words do not appear in the other;
    - "code": a code identifier of one (backticked, snake_case, camelCase, dotted, `call()`, `--flag`) absent
@@ -16,25 +18,38 @@ What separates them is *what differs* between the two prompts. The rule:
    - "date": a differing year, month, weekday, season, time of day or relative day ("today" / "tomorrow");
    - "number": a differing number, digits or words, ordinals included, or the same numbers in another order;
    - "unit": a differing unit of measure, time or currency ("cups" / "grams", "USD" / "EUR", "°C" / "°F");
-   - "negation": a negation ("not", "never", "no", "without", "n't", "unable", ...) on one side only;
+   - "negation": a negation ("not", "never", "no", "without", "n't", "unable", ...) on one side only, or a
+     word negated by a prefix ("unhealthy" / "healthy", "non-toxic", "illegal", "dishonest", "irregular");
    - "entity": a named entity (a word capitalised in either prompt other than at a sentence's start, an
      acronym, a word mixing letters and digits) present in one and absent from the other; an acronym matching
-     the initials of a run of capitalised words in the other ("NYC" / "New York City") is not a difference;
-   - "order": a direction word on one side only ("before" / "after", "encode" / "decode", "ascending" /
-     "descending", "import" / "export", ...) or the same words swapped across a direction marker
-     ("X to Y" / "Y to X", "A than B" / "B than A", "X before Y" / "Y before X"); a mere reordering that does
-     not carry a word across such a marker ("in Python, how do I ..." / "how do I ... in Python") is not;
+     the initials of a run of capitalised words in the other ("NYC" / "New York City"), a typo of it or its
+     adjective ("Europe" / "European") is not a difference;
+   - "antonym": a word on one side only whose opposite is on the other side only, degrees folded by the
+     spelling rules ("largest" / "smallest", "cheapest" / "most expensive", "strengths" / "weaknesses");
+   - "order": a direction word on one side only ("before" / "after", "encode" / "decode", ...), or two things
+     trading roles: the words on the two sides of a relation marker changing sides ("X to Y" / "Y into X",
+     "A than B" / "B than A", "X instead of Y" / "Y for X"), the subject of a question becoming its object
+     ("does X affect Y" / "what effect does Y have on X", "how many X are in a Y" / "how many Y ... X"), two
+     named things in the other order around a relation ("did A beat B" / "did B win against A"), two kinds of
+     one thing swapped ("brown rice ... white rice"); a mere reordering that moves a whole phrase ("in Python,
+     how do I ..." / "how do I ... in Python"), an adjective ("the best way" / "which way ... is the best")
+     or things joined by "and", "or", "vs" is not;
    - "scope": a scope word on one side only ("all", "every", "only", "total", "average", "recursively",
-     "daily" = "each day", ...), or different quantifiers on the two sides ("most cats" / "any cats");
+     "daily" = "each day", ...), different quantifiers on the two sides ("most cats" / "any cats"), or another
+     length, depth or format instruction ("in one sentence", "in detail", "step by step", "in bullet points",
+     "like I'm five", "with examples", "just the answer");
    - "substitution" (strict mode, the default): the same request with exactly one content word swapped for
      another ("sugar" / "flour", "dogs" / "cats", "car loan" / "student loan"). Look-alikes are mostly made so,
      and true paraphrases seldom differ by one content word alone; the rule costs the recall of those that do
-     ("What causes thunder?" / "Why does thunder happen?"), which `strict=False` gives back.
+     ("What causes thunder?" / "Why does thunder happen?"), which `strict=False` gives back. A typo, a synonym,
+     an agent noun ("speaker" / "speak"), a verb that only frames the request ("convert X" / "change X") or
+     a unit named against an open measure ("how long" / "how many hours") is not a substitution.
    Any other difference (synonyms, fillers, word order, question words) is left to the similarity threshold.
 
-Cost: no model and no I/O. A profile is two regular-expression passes and a loop over the words; a comparison
-of two profiles is a handful of set operations. Measured on a shared 2-core machine: 130-560 µs for a pair of
-one-sentence prompts, both profiled, of which the comparison is about 6 µs (the spread is the machine's load).
+Cost: no model and no I/O. A profile is a few regular-expression passes and a loop over the words; a
+comparison of two profiles is a handful of set operations, the rules in order (`CHECKS`), stopping at the first
+that vetoes. `sluice cache evaluate` prints each rule's time per check: on a shared 2-core machine a profile took
+about 280 µs and the whole comparison about 70 µs, the relation-sides and roles rules being the dearest.
 A store can keep each entry's profile beside its vector, so that a lookup profiles only the query, once,
 whatever the number of candidates.
 """

@@ -1,8 +1,9 @@
 """semantic_cache: answer a paraphrase of an earlier question from that question's answer, within a deadline.
 
 It runs after `auth` (entries are per tenant) and after `cache`, whose exact hit always wins: a request that
-reaches it missed the exact cache. For an eligible request (plugins/semantic_cache/key.py: the endpoint, n = 1,
-the temperature bound, no tools unless allowed, a user's text last) it:
+reaches it missed the exact cache. For an eligible request (plugins/semantic_cache/key.py: chat completions,
+completions or the Responses API, n = 1, the temperature bound, no tools unless allowed, a user's text last)
+it:
 
 1. embeds the text through a model of the gateway's own config (plugins/semantic_cache/embedder.py),
 2. searches the store within the exact partition (tenant, model, hash of everything but the text),
@@ -12,7 +13,8 @@ the temperature bound, no tools unless allowed, a user's text last) it:
    `semantic_cache` in server-timing,
 4. or, when the model has a `verifier`, first asks that chat model (plugins/semantic_cache/verifier.py)
    whether the two requests need the same answer: only a clear "yes" within its `deadline_ms` keeps the hit;
-   a "no", an error or the deadline is a miss counted as `verifier`.
+   a "no", an error or the deadline is a miss counted as `verifier`; the verdict and its time are span
+   attributes and access-log fields.
 
 **Latency first.** Steps 1 and 2 run as one task that the request waits for at most `lookup_deadline_ms`;
 past it the request goes upstream at once and the miss is counted as `timeout`. The task is not cancelled:

@@ -96,6 +96,17 @@ def test_bad_input_and_a_dead_endpoint_end_in_one_line(tmp_path: Path) -> None:
     assert refused.returncode == 1
     assert "cannot reach" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+    wrong = sluice("cache", "evaluate", pairs, "--url", "http://127.0.0.1:9/v1", "--threshold", "1.5")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == (
+        "sluice semantic evaluate: --threshold is a cosine similarity between 0 and 1, e.g. 0.85"
+    )
+
+
+def test_a_bundled_set_is_named_by_its_name(tmp_path: Path, embedder: EmbeddingServer) -> None:
+    done = sluice("cache", "evaluate", "transformed-late", "--url", embedder.base_url, "--model", "m", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["pairs"] == 256
 
 
 @pytest.fixture(scope="module")

@@ -62,265 +62,37 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from plugins.semantic_cache import lexicon
-
-# --- vocabularies -------------------------------------------------------------------------------------------
-
-
-def _words(text: str) -> list[str]:
-    return text.split()
-
-
-STOP_WORDS = frozenset(
-    _words("""a an the this that these those is are was were be been being am do does did doing done have has had having
-    i me my mine we us our you your yours he him his she her it its they them their there here what which who whom
-    whose why how where when whether of in on at by for with about as into onto upon within out off
-    and or but if so such than then too very also just own same other another any can could would should will
-    shall may might must let lets get gets got getting make makes made making give gives gave tell tells told
-    show shows showed explain explains explained describe describes described way ways thing things something
-    anything one's oneself someone anyone somebody anybody people person use using used""")
+from plugins.semantic_cache.roles import marker_swapped, roles_swapped
+from plugins.semantic_cache.vocabulary import (
+    _AMBIGUOUS_LANGUAGES,
+    _AMBIGUOUS_SEASONS,
+    _AMBIGUOUS_UNITS,
+    _INFINITIVE_TAKERS,
+    _MARKER_SAME,
+    _SEASON_CUES,
+    COORDINATOR_TAG,
+    COORDINATORS,
+    DATE_WORDS,
+    FILLER_WORDS,
+    LANGUAGES,
+    MONTHS,
+    MULTIPLIERS,
+    NEGATIONS,
+    NUMBER_WORDS,
+    OPPOSITES,
+    ORDER_MARKERS,
+    ORDER_TAGS,
+    ORDINALS,
+    OTHER_NUMBERS,
+    PERIODS,
+    QUANTIFIERS,
+    SCOPE_SYNONYMS,
+    SCOPE_WORDS,
+    STOP_WORDS,
+    UNITS,
+    WEEKDAYS,
+    _words,
 )
-# Words that change the tone of a request, not its answer.
-FILLER_WORDS = frozenset(
-    _words("""please pls plz kindly thanks thank thx ty hey hi hello hiya greetings dear sir madam folks guys friend
-    help helping need needs want wants wanted wondering wonder know knows like quick quickly question questions
-    actually really basically simply literally honestly maybe perhaps possibly ok okay um uh hmm well yeah yes
-    sorry excuse mind able curious trying try idea ideas""")
-)
-NEGATIONS = frozenset(
-    _words("not no never none nothing nobody nowhere neither nor without cannot unable lack lacks lacking")
-)
-# Opposites: one of a pair on one side and the other on the other side reverses what is asked.
-OPPOSITES = tuple(
-    tuple(pair.split("/"))
-    for pair in _words(
-        """before/after above/below over/under up/down upward/downward upstairs/downstairs left/right north/south
-        east/west increase/decrease raise/lower rise/fall higher/lower highest/lowest ascending/descending
-        encode/decode encrypt/decrypt compress/decompress zip/unzip import/export upload/download buy/sell
-        push/pull inbound/outbound incoming/outgoing forward/backward earlier/later earliest/latest oldest/newest
-        older/newer min/max minimum/maximum largest/smallest biggest/smallest bigger/smaller cheapest/dearest
-        best/worst better/worse add/remove plus/minus enable/disable open/close start/stop begin/end first/last
-        top/bottom input/output hot/cold warm/cool win/lose gain/lose pros/cons advantages/disadvantages
-        true/false more/less most/least heavier/lighter faster/slower longer/shorter taller/shorter
-        easier/harder strongest/weakest positive/negative maximize/minimize include/exclude accept/reject
-        allow/deny allow/block lock/unlock mount/unmount install/uninstall connect/disconnect login/logout
-        sunrise/sunset arrival/departure arrive/leave send/receive lend/borrow asleep/awake import/export
-        inhale/exhale expand/collapse shrink/grow on/off male/female man/woman men/women boy/girl
-        boiling/freezing"""
-    )
-)
-SCOPE_WORDS = frozenset(
-    _words(
-        """all every each only entire whole total overall average median both either single recursive
-        recursively including excluding except daily weekly monthly yearly annual annually hourly nightly
-        partial partially fully completely exactly"""
-    )
-)
-# Scope words that say the same: "each chapter" and "all chapters" ask for the same.
-SCOPE_SYNONYMS = {"every": "all", "each": "all", "entire": "whole", "fully": "completely", "annual": "yearly"}
-# Quantifiers: prompts with different ones ("most cats" / "any cats") ask different things; one on one side only
-# ("some ways to ..." / "ways to ...") usually does not.
-QUANTIFIERS = frozenset(_words("all every each most some any none few many several no lot lots plenty"))
-# "each day", "every month", "per week", "a year": the same scope as "daily", "monthly", "weekly", "yearly".
-PERIODS = {"day": "daily", "week": "weekly", "month": "monthly", "year": "yearly", "hour": "hourly", "night": "nightly"}
-# Direction markers: a word moved from one side of one to the other reverses the request.
-ORDER_MARKERS = frozenset(_words("to into from than before after over onto towards toward against instead of on for"))
-# Markers that say the same: "change X into Y" is "convert X to Y", "use X instead of Y" is "X for Y".
-_MARKER_SAME = {"into": "to", "towards": "to", "toward": "to", "onto": "on", "instead": "for"}
-ORDER_TAGS = frozenset(f"<{_MARKER_SAME.get(m, m)}>" for m in ORDER_MARKERS)  # a marker in a profile's content
-# Words after which "to" starts an infinitive ("how to", "possible to", "want to"), not a direction.
-_INFINITIVE_TAKERS = frozenset(
-    _words("""how what where when way ways possible impossible able unable want wants need needs try trying going
-    have has had like love hate easy hard best time steps step order used supposed allowed plan decide learn
-    better safe ok okay good take takes took taking fastest quickest easiest cheapest simplest""")
-)
-# Words that join two things without ranking them: "X and Y", "X or Y", "X vs Y" say nothing of roles.
-COORDINATORS = frozenset(_words("and or vs versus nor &"))
-COORDINATOR_TAG = "<&>"
-
-NUMBER_WORDS = {
-    w: i
-    for i, w in enumerate(
-        _words("""zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen
-        seventeen eighteen nineteen""")
-    )
-}
-NUMBER_WORDS.update(
-    {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
-)
-MULTIPLIERS = {"hundred": 100, "thousand": 1000, "million": 1_000_000, "billion": 1_000_000_000}
-OTHER_NUMBERS = {
-    "dozen": 12,
-    "half": 0.5,
-    "quarter": 0.25,
-    "twice": 2,
-    "double": 2,
-    "triple": 3,
-    "pair": 2,
-    "squared": 2,  # an exponent: "x squared" is "x to the power of 2"
-    "cubed": 3,
-}
-ORDINALS = {
-    w: i + 1
-    for i, w in enumerate(
-        _words("""first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth""")
-    )
-}
-
-MONTHS = {
-    m: i + 1
-    for i, m in enumerate(
-        _words("january february march april may june july august september october november december")
-    )
-}
-MONTHS.update({m[:3]: i for m, i in list(MONTHS.items()) if m != "may"})
-MONTHS["sept"] = 9
-WEEKDAYS = frozenset(_words("monday tuesday wednesday thursday friday saturday sunday weekday weekend"))
-DATE_WORDS = frozenset(
-    _words(
-        """today tomorrow yesterday tonight morning afternoon evening night midnight noon am pm summer autumn
-        winter century decade weekend"""
-    )
-)
-# Seasons that are ordinary words too ("fall asleep", "a spring"): seasons only after one of these.
-_AMBIGUOUS_SEASONS = frozenset(_words("spring fall"))
-_SEASON_CUES = frozenset(_words("in this next last during every early late"))
-
-# Units: spelling -> canonical unit.
-_UNIT_SPELLINGS = {
-    "kg": "kilogram kilograms kilo kilos kgs",
-    "g": "gram grams gm gms gr",
-    "mg": "milligram milligrams mgs",
-    "lb": "pound pounds lbs",
-    "oz": "ounce ounces",
-    "floz": "",
-    "c": "celsius centigrade °c",
-    "f": "fahrenheit °f",
-    "k": "kelvin",
-    "km": "kilometer kilometers kilometre kilometres kms",
-    "m": "meter meters metre metres",
-    "cm": "centimeter centimeters centimetre centimetres",
-    "mm": "millimeter millimeters millimetre millimetres",
-    "mi": "mile miles",
-    "ft": "foot feet",
-    "in": "inch inches",
-    "yd": "yard yards",
-    "l": "liter liters litre litres",
-    "ml": "milliliter milliliters millilitre millilitres",
-    "gal": "gallon gallons",
-    "qt": "quart quarts",
-    "pt": "pint pints",
-    "cup": "cups",
-    "tbsp": "tablespoon tablespoons tbs",
-    "tsp": "teaspoon teaspoons",
-    "mph": "",
-    "kph": "kmh kmph",
-    "knot": "knots",
-    "h": "hour hours hr hrs",
-    "min": "minute minutes mins",
-    "s": "second seconds sec secs",
-    "ms": "millisecond milliseconds",
-    "day": "days",
-    "week": "weeks",
-    "month": "months",
-    "year": "years yr yrs",
-    "usd": "dollar dollars $ bucks",
-    "eur": "euro euros €",
-    "gbp": "£ sterling quid",
-    "jpy": "yen ¥",
-    "cny": "yuan renminbi rmb",
-    "inr": "rupee rupees",
-    "chf": "franc francs",
-    "cad": "",
-    "aud": "",
-    "percent": "% percentage pct",
-    "byte": "bytes",
-    "kb": "kilobyte kilobytes",
-    "mb": "megabyte megabytes",
-    "gb": "gigabyte gigabytes",
-    "tb": "terabyte terabytes",
-    "w": "watt watts",
-    "kw": "kilowatt kilowatts",
-    "kwh": "",
-    "v": "volt volts",
-    "cal": "calorie calories kcal",
-    "j": "joule joules",
-    "psi": "",
-    "acre": "acres",
-    "hectare": "hectares ha",
-    "sqft": "",
-    "degree": "degrees",
-    "rad": "radian radians",
-}
-UNITS = {s: unit for unit, spellings in _UNIT_SPELLINGS.items() for s in [unit, *_words(spellings)]}
-# Short unit spellings that are ordinary words too: units only right after a number ("5 in", "3 m", "2 s").
-_AMBIGUOUS_UNITS = frozenset(_words("in m s g h l c f k j v w min pt ha gr cal day week month year second minute hour"))
-
-_LANGUAGE_SPELLINGS = {
-    "python": "py python3",
-    "java": "",
-    "javascript": "js ecmascript",
-    "typescript": "ts",
-    "c": "",
-    "c++": "cpp cplusplus",
-    "c#": "csharp",
-    "go": "golang",
-    "rust": "",
-    "ruby": "",
-    "php": "",
-    "swift": "",
-    "kotlin": "",
-    "scala": "",
-    "haskell": "",
-    "perl": "",
-    "lua": "",
-    "r": "",
-    "matlab": "",
-    "julia": "",
-    "dart": "",
-    "elixir": "",
-    "erlang": "",
-    "clojure": "",
-    "fortran": "",
-    "cobol": "",
-    "sql": "",
-    "bash": "sh zsh",
-    "powershell": "",
-    "html": "",
-    "css": "",
-    "english": "",
-    "spanish": "castilian",
-    "french": "",
-    "german": "",
-    "italian": "",
-    "portuguese": "",
-    "chinese": "mandarin",
-    "cantonese": "",
-    "japanese": "",
-    "korean": "",
-    "russian": "",
-    "arabic": "",
-    "hindi": "",
-    "bengali": "",
-    "dutch": "",
-    "swedish": "",
-    "norwegian": "",
-    "danish": "",
-    "finnish": "",
-    "polish": "",
-    "greek": "",
-    "turkish": "",
-    "hebrew": "",
-    "vietnamese": "",
-    "thai": "",
-    "indonesian": "",
-    "ukrainian": "",
-    "czech": "",
-    "latin": "",
-    "swahili": "",
-}
-LANGUAGES = {s: lang for lang, spellings in _LANGUAGE_SPELLINGS.items() for s in [lang, *_words(spellings)]}
-# Language names that are ordinary words too: languages only when capitalised (Go, R, C, Swift, Rust, Julia...).
-_AMBIGUOUS_LANGUAGES = frozenset(_words("go r c swift rust ruby dart julia lua perl scala latin sh"))
 
 # --- tokens -------------------------------------------------------------------------------------------------
 
@@ -708,130 +480,6 @@ def _opposed(a: Profile, b: Profile) -> bool:
     return any(_OPPOSITE_STEMS.get(w, set()) & only_b for w in only_a)
 
 
-Arguments = tuple[tuple[str, ...], tuple[str, ...]]
-
-
-def _arguments(content: tuple[str, ...], clauses: tuple[int, ...], window: int = 4) -> dict[str, list[Arguments]]:
-    """For each relation marker, per occurrence: the content words before it and after it, nearest first, up to
-    the next marker or the clause's end: the two things the relation joins ("New York" <to> "Los Angeles")."""
-    found: dict[str, list[Arguments]] = {}
-    for i, word in enumerate(content):
-        if word[0] != "<" or word == COORDINATOR_TAG:
-            continue
-        sides: list[list[str]] = [[], []]
-        for side, step in ((0, -1), (1, 1)):
-            j = i + step
-            while 0 <= j < len(content) and clauses[j] == clauses[i] and len(sides[side]) < window:
-                if content[j][0] != "<":  # other markers are passed over: "better for health than X"
-                    sides[side].append(content[j])
-                elif content[j] == word:
-                    break  # up to the next occurrence of the same marker
-                j += step
-        found.setdefault(word, []).append((tuple(sides[0]), tuple(sides[1])))
-    return found
-
-
-def _crossed(
-    left_a: tuple[str, ...], right_a: tuple[str, ...], left_b: tuple[str, ...], right_b: tuple[str, ...]
-) -> bool:
-    """Whether a word of each side went to the other side; adjectives move freely ("the best way to learn" /
-    "which way of learning ... is the best") and do not count."""
-    went_right = {w for w in (set(left_a) & set(right_b)) - set(left_b) - set(right_a) if not _adjective(w)}
-    went_left = {w for w in (set(right_a) & set(left_b)) - set(right_b) - set(left_a) if not _adjective(w)}
-    return bool(went_right and went_left)
-
-
-def _marker_swapped(a: Profile, b: Profile) -> bool:
-    """Whether the things on the two sides of a shared relation marker changed sides ("X to Y" / "Y into X").
-
-    A side runs to the clause's end or the next occurrence of the same marker, passing over other markers
-    ("better for your health than X"), at most four content words, nearest first."""
-    args_b = _arguments(b.content, b.clauses)
-    for marker, occurrences in _arguments(a.content, a.clauses).items():
-        others = args_b.get(marker)
-        if not others:
-            continue
-        for left_a, right_a in occurrences:
-            if not left_a or not right_a:
-                continue
-            if any(_crossed(left_a, right_a, left_b, right_b) for left_b, right_b in others):
-                return True
-    return False
-
-
-def _positions(content: tuple[str, ...]) -> dict[str, int]:
-    """The position of each content word that occurs once (markers and repeated words left out)."""
-    seen: dict[str, int] = {}
-    repeated: set[str] = set()
-    for i, w in enumerate(content):
-        if w[0] == "<":
-            continue
-        if w in seen:
-            repeated.add(w)
-        seen[w] = i
-    return {w: i for w, i in seen.items() if w not in repeated}
-
-
-def _between(content: tuple[str, ...], i: int, j: int) -> list[str]:
-    return list(content[min(i, j) + 1 : max(i, j)])
-
-
-def _roles_swapped(a: Profile, b: Profile) -> bool:
-    """Whether two things trade places around the same relation, whatever word says it.
-
-    - Around a verb or other word left in place: "Does caffeine cause sleep?" / "Can sleep lead to caffeine?"
-      (the same content words, "cause" = "lead", stand between them on both sides).
-    - Named things (capitalised, acronyms) in the other order, with a word between them on both sides and no
-      "and", "or" or "vs": "Did France beat Argentina?" / "Did Argentina win against France?".
-    - Two kinds of one thing in the other order: "brown rice instead of white rice" / "white rice for brown
-      rice" (the same word after each)."""
-    x, y = a.subject, b.subject
-    if x and y and x != y and x in b.content and y in a.content:
-        return True  # the subject of one is the object of the other
-    pos_a, pos_b = _positions(a.content), _positions(b.content)
-    shared = [w for w in pos_a if w in pos_b]
-    named = a.entities | b.entities
-    shared = [w for w in shared if not _adjective(w)]
-    for n, u in enumerate(shared):
-        for v in shared[n + 1 :]:
-            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
-                continue  # the same order
-            between_a = _between(a.content, pos_a[u], pos_a[v])
-            between_b = _between(b.content, pos_b[u], pos_b[v])
-            if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
-                continue
-            words_a = {w for w in between_a if w[0] != "<"}
-            words_b = {w for w in between_b if w[0] != "<"}
-            if words_a and words_a == words_b and len(words_a) <= 2:
-                return True
-            if u in named and v in named and words_a - named and words_b - named:
-                return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
-    return _heads_swapped(a, b)
-
-
-def _adjective(w: str) -> bool:
-    """A known adjective or a superlative: it moves freely ("the safest car brand" / "which car brand is the
-    safest") and bears no role."""
-    return w in lexicon.LEMMA or (w.endswith("est") and len(w) > 5)
-
-
-def _heads_swapped(a: Profile, b: Profile) -> bool:
-    """ "u h ... v h" in one and "v h ... u h" in the other: two kinds of one thing swapped."""
-
-    def kinds(content: tuple[str, ...]) -> list[tuple[str, str, int]]:
-        return [(content[i], content[i + 1], i) for i in range(len(content) - 1) if content[i][0] != "<"]
-
-    in_b = {(u, h): i for u, h, i in kinds(b.content)}
-    found = kinds(a.content)
-    for u, h, i in found:
-        for v, h2, j in found:
-            if h2 != h or v == u or j <= i or (u, h) not in in_b or (v, h) not in in_b:
-                continue
-            if in_b[(v, h)] < in_b[(u, h)] and COORDINATOR_TAG not in a.content[i:j]:
-                return True
-    return False
-
-
 def _substituted(a: Profile, b: Profile) -> bool:
     """Whether the prompts are one request with one content word swapped for another ("sugar" / "flour").
 
@@ -899,8 +547,8 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("direction word", "order", _opposed),
     ("antonym", "antonym", _antonyms),
     ("numbers reordered", "order", _numbers_reordered),
-    ("relation sides", "order", lambda a, b: _marker_swapped(a, b) or _marker_swapped(b, a)),
-    ("roles", "order", _roles_swapped),
+    ("relation sides", "order", lambda a, b: marker_swapped(a, b) or marker_swapped(b, a)),
+    ("roles", "order", roles_swapped),
     ("scope word", "scope", _scoped),
     ("instruction", "scope", lambda a, b: a.instructions != b.instructions),
 )

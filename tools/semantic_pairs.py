@@ -17,7 +17,7 @@ pairs keep a and transform b by one rule that changes the answer:
 
 A seed goes to the holdout when the first byte of sha256(its template a) is below 86 (about a third): whole
 templates are held out, not pairs of a template otherwise seen. The word lists here (antonyms, affixes,
-synonyms) were written for this generator independently of the guards' lexicon (plugins/semantic_cache/guards.py).
+synonyms) were written for this generator independently of the guards' lexicon (plugins/semantic_cache/lexicon.py).
 """
 
 from __future__ import annotations

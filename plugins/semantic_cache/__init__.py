@@ -1,8 +1,9 @@
 """semantic_cache: answer a paraphrase of an earlier question from that question's answer, within a deadline.
 
 It runs after `auth` (entries are per tenant) and after `cache`, whose exact hit always wins: a request that
-reaches it missed the exact cache. For an eligible request (plugins/semantic_cache/key.py: the endpoint, n = 1,
-the temperature bound, no tools unless allowed, a user's text last) it:
+reaches it missed the exact cache. For an eligible request (plugins/semantic_cache/key.py: chat completions,
+completions or the Responses API, n = 1, the temperature bound, no tools unless allowed, a user's text last)
+it:
 
 1. embeds the text through a model of the gateway's own config (plugins/semantic_cache/embedder.py),
 2. searches the store within the exact partition (tenant, model, hash of everything but the text),
@@ -12,7 +13,8 @@ the temperature bound, no tools unless allowed, a user's text last) it:
    `semantic_cache` in server-timing,
 4. or, when the model has a `verifier`, first asks that chat model (plugins/semantic_cache/verifier.py)
    whether the two requests need the same answer: only a clear "yes" within its `deadline_ms` keeps the hit;
-   a "no", an error or the deadline is a miss counted as `verifier`.
+   a "no", an error or the deadline is a miss counted as `verifier`; the verdict and its time are span
+   attributes and access-log fields.
 
 **Latency first.** Steps 1 and 2 run as one task that the request waits for at most `lookup_deadline_ms`;
 past it the request goes upstream at once and the miss is counted as `timeout`. The task is not cancelled:
@@ -222,10 +224,16 @@ class SemanticCache:
         if candidate is None:
             return None
         verifier = self.verifiers.get(ex.model)
-        # Past the lookup's deadline on purpose: the verifier has its own, which its config says it may spend.
-        if verifier is not None and not await verifier.same(lookup.text, candidate.entry.text, ex):
-            self._result(ex, Served("verifier", candidate.similarity))
-            return None
+        if verifier is not None:
+            # Past the lookup's deadline on purpose: the verifier has its own, which its config says it may spend.
+            started = time.perf_counter()
+            verdict = await verifier.verdict(lookup.text, candidate.entry.text, ex)
+            ex.attributes["sluice.semantic_cache.verifier"] = verdict  # in the span and the access line
+            ex.attributes["sluice.semantic_cache.verifier_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            if verdict != "yes":
+                ex.attributes["sluice.semantic_cache.similarity"] = round(candidate.similarity, 4)
+                self._result(ex, Served("verifier", candidate.similarity))
+                return None
         return self._replay(ex, candidate)
 
     def _start(self, embedder: Embedder, text: str, ex: Exchange) -> asyncio.Task[Vector]:
@@ -362,9 +370,12 @@ class SemanticCache:
                 answer = orjson.loads(body)
             except orjson.JSONDecodeError:
                 return None
-            if not isinstance(answer, dict) or answer.get("error") or not answer.get("choices"):
+            if not isinstance(answer, dict) or answer.get("error"):
                 return None
-            if not all(c.get("finish_reason") for c in answer["choices"]):
+            if ex.endpoint == "responses":
+                if answer.get("status") != "completed":
+                    return None  # failed, incomplete, queued or in progress: never stored
+            elif not answer.get("choices") or not all(c.get("finish_reason") for c in answer["choices"]):
                 return None  # cut short upstream: never stored
             data = body
         return data if data is not None and len(data) <= self.settings.max_entry_bytes else None

@@ -38,16 +38,26 @@ from typing import TYPE_CHECKING, Any, TextIO
 import httpx
 import orjson
 
-from plugins.semantic_cache.guards import compare, profile
+from plugins.semantic_cache.guards import CHECKS, SUBSTITUTION, compare, profile
 from plugins.semantic_cache.verifier import agrees, question
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
     from gateway.settings import Settings
 
-HARD_SET = Path(__file__).parent / "pairs" / "hard.jsonl"
+PAIRS = Path(__file__).parent / "pairs"
+HARD_SET = PAIRS / "hard.jsonl"
+# The bundled sets: (name, what it is). Tuned on: the guards were changed while they were measured on these.
+BUNDLED = (
+    ("hard", "hand-written look-alikes in 13 kinds; tuned on"),
+    ("holdout", "hand-written noun swaps; tuned on since its first run"),
+    ("transformed", "rule-made look-alikes (tools/semantic_pairs.py); tuned on"),
+    ("transformed-holdout", "rule-made, held-out templates; run once, then one round of changes"),
+    ("transformed-late", "rule-made from later seeds; frozen before the last changes, never tuned on"),
+)
 THRESHOLDS = tuple(round(0.70 + i / 100, 2) for i in range(30))  # 0.70 .. 0.99
 TARGET_FHR = 0.02
+NEAR_MARGIN = 0.1  # as the plugin's near_margin: a best match this far under the threshold is a near miss
 BATCH = 64  # texts per embeddings request
 
 Embed = Callable[[Sequence[str]], Sequence[Sequence[float]]]
@@ -116,6 +126,8 @@ class KindRow:
     guarded_hits: int
     vetoed: int  # pairs of this kind the guards veto, whatever their cosine
     median_cosine: float
+    near: int = 0  # pairs just under the threshold (within NEAR_MARGIN): what a lower threshold would add
+    vetoes: tuple[tuple[str, int], ...] = ()  # of the pairs at or above the threshold, what the guards said
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +140,7 @@ class Evaluation:
     suggested_guarded: Point | None
     roc_auc: float  # of the cosine alone: the chance a random should-hit pair scores above a must-not pair
     guard_seconds: float  # the guards' time per pair (both prompts profiled, then compared)
+    rule_us: tuple[tuple[str, float], ...] = ()  # each rule's time per check, and a profile's, in µs
     verified: tuple[Point, ...] = ()  # guards, then the verifier on what they let through (when one was asked)
     verifier_seconds: tuple[float, ...] = ()  # each verifier call's time
     verifier_deadline_s: float = 0.0
@@ -165,8 +178,9 @@ def parse_pairs(lines: Iterable[str], source: str) -> list[Pair]:
 
 
 def load_pairs(path: str | Path) -> list[Pair]:
-    """The pairs of a JSON Lines file; "hard" names the bundled hard set."""
-    path = HARD_SET if str(path) == "hard" else Path(path)
+    """The pairs of a JSON Lines file; a bare name ("hard", "transformed-holdout") names a bundled set."""
+    bundled = PAIRS / f"{path}.jsonl"
+    path = bundled if "/" not in str(path) and not str(path).endswith(".jsonl") and bundled.exists() else Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
@@ -246,6 +260,10 @@ def kind_table(scored: Sequence[Scored], threshold: float) -> list[KindRow]:
     rows = []
     for (negative, kind), group in sorted(by_kind.items()):
         hits = [s for s in group if s.cosine >= threshold]
+        said: dict[str, int] = {}
+        for s in hits:
+            if s.veto is not None:
+                said[s.veto] = said.get(s.veto, 0) + 1
         rows.append(
             KindRow(
                 kind=kind,
@@ -255,6 +273,8 @@ def kind_table(scored: Sequence[Scored], threshold: float) -> list[KindRow]:
                 guarded_hits=sum(s.veto is None for s in hits),
                 vetoed=sum(s.veto is not None for s in group),
                 median_cosine=statistics.median(s.cosine for s in group),
+                near=sum(threshold - NEAR_MARGIN <= s.cosine < threshold for s in group),
+                vetoes=tuple(sorted(said.items(), key=lambda kv: (-kv[1], kv[0]))),
             )
         )
     return rows
@@ -280,7 +300,28 @@ def evaluate(
         suggested_guarded=suggest(guarded, target_fhr),
         roc_auc=roc_auc(scored),
         guard_seconds=guard_seconds,
+        rule_us=rule_costs(pairs),
     )
+
+
+def rule_costs(pairs: Sequence[Pair], rounds: int = 3) -> tuple[tuple[str, float], ...]:
+    """Each guard rule's time per check over the pairs (the least of a few rounds, as the machine's load only
+    adds), and a profile's: what a lookup pays for the query's profile and for each rule it reaches."""
+    profiles = [(profile(p.a), profile(p.b)) for p in pairs]
+    best: dict[str, float] = {}
+    texts = [t for p in pairs for t in (p.a, p.b)]
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for text in texts:
+            profile(text)
+        best["profile"] = min(best.get("profile", math.inf), (time.perf_counter() - started) / len(texts))
+        for name, _kind, check in (*CHECKS, SUBSTITUTION):
+            started = time.perf_counter()
+            for a, b in profiles:
+                check(a, b)
+            took = (time.perf_counter() - started) / len(profiles)
+            best[name] = min(best.get(name, math.inf), took)
+    return tuple((name, round(seconds * 1e6, 2)) for name, seconds in best.items())
 
 
 Verifier = Callable[[str, str], Awaitable[bool]]
@@ -316,12 +357,16 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def render(ev: Evaluation, out: TextIO, every: int = 1) -> None:
+def render(ev: Evaluation, out: TextIO, every: int = 1, at: float | None = None) -> None:
     """The curve (every `every`-th threshold), the suggestion and the per-kind table, as Markdown tables."""
     positives = ev.plain[0].positives
     negatives = ev.plain[0].negatives
     out.write(f"{len(ev.scored)} pairs: {positives} should hit, {negatives} must not. ")
-    out.write(f"ROC-AUC of the cosine alone: {ev.roc_auc:.3f}. Guards: {ev.guard_seconds * 1e6:.0f} µs a pair.\n\n")
+    out.write(f"ROC-AUC of the cosine alone: {ev.roc_auc:.3f}. Guards: {ev.guard_seconds * 1e6:.0f} µs a pair.\n")
+    if ev.rule_us:
+        costs = ", ".join(f"{name} {us:.1f}" for name, us in ev.rule_us)
+        out.write(f"Guards' time per check, µs (least of 3 rounds): {costs}.\n")
+    out.write("\n")
     out.write("| threshold | precision | recall | false hits | precision (guards) | recall (guards) ")
     out.write("| false hits (guards) |\n|---|---|---|---|---|---|---|\n")
     for i, (p, g) in enumerate(zip(ev.plain, ev.guarded, strict=True)):
@@ -355,17 +400,24 @@ def render(ev: Evaluation, out: TextIO, every: int = 1) -> None:
             if i % every and i != len(ev.verified) - 1:
                 continue
             out.write(f"| {v.threshold:.2f} | {_pct(v.precision)} | {_pct(v.recall)} | {_pct(v.false_hit_rate)} |\n")
-    at = ev.suggested_guarded or ev.suggested_plain
-    threshold = at.threshold if at is not None else 0.9
+    threshold = at if at is not None else kinds_threshold(ev)
     out.write(f"\nBy kind, at threshold {threshold:.2f}:\n\n")
-    out.write("| kind | should hit | pairs | median cosine | hit | hit (guards) | vetoed by guards |\n")
-    out.write("|---|---|---|---|---|---|---|\n")
+    out.write("| kind | should hit | pairs | median cosine | hit | hit (guards) | vetoed by guards ")
+    out.write(f"| near misses (within {NEAR_MARGIN:.2f} under) | vetoes at the threshold, by guard |\n")
+    out.write("|---|---|---|---|---|---|---|---|---|\n")
     for row in ev.kinds(threshold):
+        said = ", ".join(f"{kind} {n}" for kind, n in row.vetoes) or "-"
         out.write(
             f"| {row.kind} | {'yes' if row.same else 'no'} | {row.pairs} | {row.median_cosine:.3f} "
             f"| {_pct(row.hits / row.pairs)} | {_pct(row.guarded_hits / row.pairs)} "
-            f"| {_pct(row.vetoed / row.pairs)} |\n"
+            f"| {_pct(row.vetoed / row.pairs)} | {row.near} | {said} |\n"
         )
+
+
+def kinds_threshold(ev: Evaluation) -> float:
+    """The threshold of the per-kind table unless one is asked for: the guarded suggestion, else 0.90."""
+    at = ev.suggested_guarded or ev.suggested_plain
+    return at.threshold if at is not None else 0.9
 
 
 def _point_json(p: Point | None) -> dict[str, Any] | None:
@@ -381,16 +433,16 @@ def _point_json(p: Point | None) -> dict[str, Any] | None:
     }
 
 
-def as_json(ev: Evaluation) -> dict[str, Any]:
+def as_json(ev: Evaluation, at: float | None = None) -> dict[str, Any]:
     """The figures as plain data: the curves, the suggestions and the per-kind table at the suggestion."""
-    at = ev.suggested_guarded or ev.suggested_plain
-    threshold = at.threshold if at is not None else 0.9
+    threshold = at if at is not None else kinds_threshold(ev)
     return {
         "pairs": len(ev.scored),
         "positives": ev.plain[0].positives,
         "negatives": ev.plain[0].negatives,
         "roc_auc": round(ev.roc_auc, 4),
         "guard_us_per_pair": round(ev.guard_seconds * 1e6, 1),
+        "guard_us_per_check": dict(ev.rule_us),
         "target_fhr": ev.target_fhr,
         "curve": [_point_json(p) for p in ev.plain],
         "curve_guarded": [_point_json(p) for p in ev.guarded],
@@ -408,6 +460,8 @@ def as_json(ev: Evaluation) -> dict[str, Any]:
                 "hit_rate": round(r.hits / r.pairs, 4),
                 "hit_rate_guarded": round(r.guarded_hits / r.pairs, 4),
                 "vetoed": round(r.vetoed / r.pairs, 4),
+                "near_misses": r.near,
+                "vetoes": dict(r.vetoes),
             }
             for r in ev.kinds(threshold)
         ],
@@ -418,8 +472,7 @@ def explain(ev: Evaluation, out: TextIO, threshold: float | None = None) -> None
     """The pairs behind the figures at a threshold (the guarded suggestion by default): the false hits left, and
     the pairs that should hit and that the guards refused, with the kind of difference they saw."""
     if threshold is None:
-        at = ev.suggested_guarded or ev.suggested_plain
-        threshold = at.threshold if at is not None else 0.9
+        threshold = kinds_threshold(ev)
     wrong = [s for s in ev.scored if not s.pair.same and s.cosine >= threshold and s.veto is None]
     refused = [s for s in ev.scored if s.pair.same and s.cosine >= threshold and s.veto is not None]
     out.write(f"\nFalse hits with guards at {threshold:.2f} ({len(wrong)}):\n")
@@ -550,7 +603,10 @@ async def verify(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     p = actions.add_parser("evaluate", help="precision, recall and false hits per threshold on labelled pairs")
-    p.add_argument("file", help='JSON Lines of {"a", "b", "same", "kind"}; "hard" for the bundled hard set')
+    p.add_argument(
+        "file",
+        help='JSON Lines of {"a", "b", "same", "kind"}, or a bundled set: ' + ", ".join(name for name, _ in BUNDLED),
+    )
     p.add_argument("-c", "--config", help="embed through this config's model (the gateway's own pipeline)")
     p.add_argument("--model", help="the embedding model: a model of the config, or the name sent to --url")
     p.add_argument("--url", help="an OpenAI-compatible base URL with /v1/embeddings, instead of the config")
@@ -559,6 +615,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--every", type=int, default=1, help="print every n-th threshold of the curve (default 1)")
     p.add_argument("--explain", action="store_true", help="also list the false hits and the refused paraphrases")
     p.add_argument("--lenient", action="store_true", help="guards without the one-word substitution rule")
+    p.add_argument(
+        "--threshold", type=float, help="the threshold of the per-kind table and --explain (default: the suggestion)"
+    )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     p.add_argument("--verifier-url", help="also ask this OpenAI-compatible chat endpoint whether pairs match")
     p.add_argument("--verifier-model", default="default", help="the verifier's model name")
@@ -580,6 +639,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if not 0 <= args.target_fhr <= 1:
             raise EvaluationError("--target-fhr is a fraction between 0 and 1, e.g. 0.02")
+        if args.threshold is not None and not 0 < args.threshold <= 1:
+            raise EvaluationError("--threshold is a cosine similarity between 0 and 1, e.g. 0.85")
         pairs = load_pairs(args.file)
         if args.url:
             embed, close = http_embedder(args.url, args.model or "default", args.api_key)
@@ -604,9 +665,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"{name}: {exc}", file=sys.stderr)
         return exc.code
     if args.json:
-        sys.stdout.write(orjson.dumps(as_json(evaluation), option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(orjson.dumps(as_json(evaluation, args.threshold), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
-        render(evaluation, sys.stdout, max(1, args.every))
+        render(evaluation, sys.stdout, max(1, args.every), args.threshold)
         if args.explain:
-            explain(evaluation, sys.stdout)
+            explain(evaluation, sys.stdout, args.threshold)
     return 0

@@ -4,10 +4,12 @@ A sentence embedding scores look-alikes ("convert 5 km to miles" / "convert 50 k
 "... in Java", "convert X to Y" / "convert Y to X") as near as true paraphrases, so no threshold separates them.
 What separates them is *what differs* between the two prompts. The rule:
 
-1. Each prompt is reduced once to a `Profile`: its word tokens lowercased, contractions split ("don't" -> "do
-   not"), possessives dropped, a tiny suffix stemmer applied ("boiling", "boiled", "boils" -> "boil"), and stop
-   words and politeness or filler words ("please", "can you", "hey", "thanks") set aside; plus what it holds
-   of each kind below, normalised ("two" = "2", "kilograms" = "kg", "js" = "javascript", "1,000" = "1000").
+1. Each prompt is reduced once to a `Profile`: chat shorthand spelled out ("u" -> "you", "w/o" -> "without"),
+   its word tokens lowercased, contractions split ("don't" -> "do not"), possessives dropped, a tiny suffix
+   stemmer applied ("boiling", "boiled", "boils" -> "boil"), common synonyms folded ("costly" -> "expensive",
+   lexicon.py), and stop words and politeness or filler words ("please", "can you", "hey", "thanks") set
+   aside; plus what it holds of each kind below, normalised ("two" = "2", "kilograms" = "kg", "js" =
+   "javascript", "1,000" = "1000").
 2. Two profiles are compared kind by kind, and the first kind in which they differ is the verdict:
    - "quoted": a quoted string of one ("...", “...”, '...') whose words do not appear in the other;
    - "code": a code identifier of one (backticked, snake_case, camelCase, dotted, `call()`, `--flag`) absent
@@ -16,25 +18,38 @@ What separates them is *what differs* between the two prompts. The rule:
    - "date": a differing year, month, weekday, season, time of day or relative day ("today" / "tomorrow");
    - "number": a differing number, digits or words, ordinals included, or the same numbers in another order;
    - "unit": a differing unit of measure, time or currency ("cups" / "grams", "USD" / "EUR", "°C" / "°F");
-   - "negation": a negation ("not", "never", "no", "without", "n't", "unable", ...) on one side only;
+   - "negation": a negation ("not", "never", "no", "without", "n't", "unable", ...) on one side only, or a
+     word negated by a prefix ("unhealthy" / "healthy", "non-toxic", "illegal", "dishonest", "irregular");
    - "entity": a named entity (a word capitalised in either prompt other than at a sentence's start, an
      acronym, a word mixing letters and digits) present in one and absent from the other; an acronym matching
-     the initials of a run of capitalised words in the other ("NYC" / "New York City") is not a difference;
-   - "order": a direction word on one side only ("before" / "after", "encode" / "decode", "ascending" /
-     "descending", "import" / "export", ...) or the same words swapped across a direction marker
-     ("X to Y" / "Y to X", "A than B" / "B than A", "X before Y" / "Y before X"); a mere reordering that does
-     not carry a word across such a marker ("in Python, how do I ..." / "how do I ... in Python") is not;
+     the initials of a run of capitalised words in the other ("NYC" / "New York City"), a typo of it or its
+     adjective ("Europe" / "European") is not a difference;
+   - "antonym": a word on one side only whose opposite is on the other side only, degrees folded by the
+     spelling rules ("largest" / "smallest", "cheapest" / "most expensive", "strengths" / "weaknesses");
+   - "order": a direction word on one side only ("before" / "after", "encode" / "decode", ...), or two things
+     trading roles: the words on the two sides of a relation marker changing sides ("X to Y" / "Y into X",
+     "A than B" / "B than A", "X instead of Y" / "Y for X"), the subject of a question becoming its object
+     ("does X affect Y" / "what effect does Y have on X", "how many X are in a Y" / "how many Y ... X"), two
+     named things in the other order around a relation ("did A beat B" / "did B win against A"), two kinds of
+     one thing swapped ("brown rice ... white rice"); a mere reordering that moves a whole phrase ("in Python,
+     how do I ..." / "how do I ... in Python"), an adjective ("the best way" / "which way ... is the best")
+     or things joined by "and", "or", "vs" is not;
    - "scope": a scope word on one side only ("all", "every", "only", "total", "average", "recursively",
-     "daily" = "each day", ...), or different quantifiers on the two sides ("most cats" / "any cats");
+     "daily" = "each day", ...), different quantifiers on the two sides ("most cats" / "any cats"), or another
+     length, depth or format instruction ("in one sentence", "in detail", "step by step", "in bullet points",
+     "like I'm five", "with examples", "just the answer");
    - "substitution" (strict mode, the default): the same request with exactly one content word swapped for
      another ("sugar" / "flour", "dogs" / "cats", "car loan" / "student loan"). Look-alikes are mostly made so,
      and true paraphrases seldom differ by one content word alone; the rule costs the recall of those that do
-     ("What causes thunder?" / "Why does thunder happen?"), which `strict=False` gives back.
+     ("What causes thunder?" / "Why does thunder happen?"), which `strict=False` gives back. A typo, a synonym,
+     an agent noun ("speaker" / "speak"), a verb that only frames the request ("convert X" / "change X") or
+     a unit named against an open measure ("how long" / "how many hours") is not a substitution.
    Any other difference (synonyms, fillers, word order, question words) is left to the similarity threshold.
 
-Cost: no model and no I/O. A profile is two regular-expression passes and a loop over the words; a comparison
-of two profiles is a handful of set operations. Measured on a shared 2-core machine: 130-560 µs for a pair of
-one-sentence prompts, both profiled, of which the comparison is about 6 µs (the spread is the machine's load).
+Cost: no model and no I/O. A profile is a few regular-expression passes and a loop over the words; a
+comparison of two profiles is a handful of set operations, the rules in order (`CHECKS`), stopping at the first
+that vetoes. `sluice cache evaluate` prints each rule's time per check: on a shared 2-core machine a profile took
+about 280 µs and the whole comparison about 70 µs, the relation-sides and roles rules being the dearest.
 A store can keep each entry's profile beside its vector, so that a lookup profiles only the query, once,
 whatever the number of candidates.
 """
@@ -42,256 +57,42 @@ whatever the number of candidates.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-# --- vocabularies -------------------------------------------------------------------------------------------
-
-
-def _words(text: str) -> list[str]:
-    return text.split()
-
-
-STOP_WORDS = frozenset(
-    _words("""a an the this that these those is are was were be been being am do does did doing done have has had having
-    i me my mine we us our you your yours he him his she her it its they them their there here what which who whom
-    whose why how where when whether of in on at by for with about as into onto upon within out off
-    and or but if so such than then too very also just own same other another any can could would should will
-    shall may might must let lets get gets got getting make makes made making give gives gave tell tells told
-    show shows showed explain explains explained describe describes described way ways thing things something
-    anything one's oneself someone anyone somebody anybody people person use using used""")
+from plugins.semantic_cache import lexicon
+from plugins.semantic_cache.roles import marker_swapped, roles_swapped
+from plugins.semantic_cache.vocabulary import (
+    _AMBIGUOUS_LANGUAGES,
+    _AMBIGUOUS_SEASONS,
+    _AMBIGUOUS_UNITS,
+    _INFINITIVE_TAKERS,
+    _MARKER_SAME,
+    _SEASON_CUES,
+    COORDINATOR_TAG,
+    COORDINATORS,
+    DATE_WORDS,
+    FILLER_WORDS,
+    LANGUAGES,
+    MONTHS,
+    MULTIPLIERS,
+    NEGATIONS,
+    NUMBER_WORDS,
+    OPPOSITES,
+    ORDER_MARKERS,
+    ORDER_TAGS,
+    ORDINALS,
+    OTHER_NUMBERS,
+    PERIODS,
+    QUANTIFIERS,
+    SCOPE_SYNONYMS,
+    SCOPE_WORDS,
+    STOP_WORDS,
+    UNITS,
+    WEEKDAYS,
+    _words,
 )
-# Words that change the tone of a request, not its answer.
-FILLER_WORDS = frozenset(
-    _words("""please pls plz kindly thanks thank thx ty hey hi hello hiya greetings dear sir madam folks guys friend
-    help helping need needs want wants wanted wondering wonder know knows like quick quickly question questions
-    actually really basically simply literally honestly maybe perhaps possibly ok okay um uh hmm well yeah yes
-    sorry excuse mind able curious trying try idea ideas""")
-)
-NEGATIONS = frozenset(
-    _words("not no never none nothing nobody nowhere neither nor without cannot unable lack lacks lacking")
-)
-# Opposites: one of a pair on one side and the other on the other side reverses what is asked.
-OPPOSITES = tuple(
-    tuple(pair.split("/"))
-    for pair in _words(
-        """before/after above/below over/under up/down upward/downward upstairs/downstairs left/right north/south
-        east/west increase/decrease raise/lower rise/fall higher/lower highest/lowest ascending/descending
-        encode/decode encrypt/decrypt compress/decompress zip/unzip import/export upload/download buy/sell
-        push/pull inbound/outbound incoming/outgoing forward/backward earlier/later earliest/latest oldest/newest
-        older/newer min/max minimum/maximum largest/smallest biggest/smallest bigger/smaller cheapest/dearest
-        best/worst better/worse add/remove plus/minus enable/disable open/close start/stop begin/end first/last
-        top/bottom input/output hot/cold warm/cool win/lose gain/lose pros/cons advantages/disadvantages
-        true/false more/less most/least heavier/lighter faster/slower longer/shorter taller/shorter
-        easier/harder strongest/weakest positive/negative maximize/minimize include/exclude accept/reject
-        allow/deny allow/block lock/unlock mount/unmount install/uninstall connect/disconnect login/logout
-        sunrise/sunset arrival/departure arrive/leave send/receive lend/borrow asleep/awake import/export
-        inhale/exhale expand/collapse shrink/grow on/off male/female man/woman men/women boy/girl
-        boiling/freezing"""
-    )
-)
-SCOPE_WORDS = frozenset(
-    _words(
-        """all every each only entire whole total overall average median both either single recursive
-        recursively including excluding except daily weekly monthly yearly annual annually hourly nightly
-        partial partially fully completely exactly"""
-    )
-)
-# Scope words that say the same: "each chapter" and "all chapters" ask for the same.
-SCOPE_SYNONYMS = {"every": "all", "each": "all", "entire": "whole", "fully": "completely", "annual": "yearly"}
-# Quantifiers: prompts with different ones ("most cats" / "any cats") ask different things; one on one side only
-# ("some ways to ..." / "ways to ...") usually does not.
-QUANTIFIERS = frozenset(_words("all every each most some any none few many several no"))
-# "each day", "every month", "per week", "a year": the same scope as "daily", "monthly", "weekly", "yearly".
-PERIODS = {"day": "daily", "week": "weekly", "month": "monthly", "year": "yearly", "hour": "hourly", "night": "nightly"}
-# Direction markers: a word moved from one side of one to the other reverses the request.
-ORDER_MARKERS = frozenset(_words("to into from than before after over onto towards toward"))
-ORDER_TAGS = frozenset(f"<{m}>" for m in ORDER_MARKERS)  # how a marker stands in a profile's content
-
-NUMBER_WORDS = {
-    w: i
-    for i, w in enumerate(
-        _words("""zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen
-        seventeen eighteen nineteen""")
-    )
-}
-NUMBER_WORDS.update(
-    {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
-)
-MULTIPLIERS = {"hundred": 100, "thousand": 1000, "million": 1_000_000, "billion": 1_000_000_000}
-OTHER_NUMBERS = {
-    "dozen": 12,
-    "half": 0.5,
-    "quarter": 0.25,
-    "twice": 2,
-    "double": 2,
-    "triple": 3,
-    "pair": 2,
-    "squared": 2,  # an exponent: "x squared" is "x to the power of 2"
-    "cubed": 3,
-}
-ORDINALS = {
-    w: i + 1
-    for i, w in enumerate(
-        _words("""first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth""")
-    )
-}
-
-MONTHS = {
-    m: i + 1
-    for i, m in enumerate(
-        _words("january february march april may june july august september october november december")
-    )
-}
-MONTHS.update({m[:3]: i for m, i in list(MONTHS.items()) if m != "may"})
-MONTHS["sept"] = 9
-WEEKDAYS = frozenset(_words("monday tuesday wednesday thursday friday saturday sunday weekday weekend"))
-DATE_WORDS = frozenset(
-    _words(
-        """today tomorrow yesterday tonight morning afternoon evening night midnight noon am pm summer autumn
-        winter century decade weekend"""
-    )
-)
-# Seasons that are ordinary words too ("fall asleep", "a spring"): seasons only after one of these.
-_AMBIGUOUS_SEASONS = frozenset(_words("spring fall"))
-_SEASON_CUES = frozenset(_words("in this next last during every early late"))
-
-# Units: spelling -> canonical unit.
-_UNIT_SPELLINGS = {
-    "kg": "kilogram kilograms kilo kilos kgs",
-    "g": "gram grams gm gms gr",
-    "mg": "milligram milligrams mgs",
-    "lb": "pound pounds lbs",
-    "oz": "ounce ounces",
-    "floz": "",
-    "c": "celsius centigrade °c",
-    "f": "fahrenheit °f",
-    "k": "kelvin",
-    "km": "kilometer kilometers kilometre kilometres kms",
-    "m": "meter meters metre metres",
-    "cm": "centimeter centimeters centimetre centimetres",
-    "mm": "millimeter millimeters millimetre millimetres",
-    "mi": "mile miles",
-    "ft": "foot feet",
-    "in": "inch inches",
-    "yd": "yard yards",
-    "l": "liter liters litre litres",
-    "ml": "milliliter milliliters millilitre millilitres",
-    "gal": "gallon gallons",
-    "qt": "quart quarts",
-    "pt": "pint pints",
-    "cup": "cups",
-    "tbsp": "tablespoon tablespoons tbs",
-    "tsp": "teaspoon teaspoons",
-    "mph": "",
-    "kph": "kmh kmph",
-    "knot": "knots",
-    "h": "hour hours hr hrs",
-    "min": "minute minutes mins",
-    "s": "second seconds sec secs",
-    "ms": "millisecond milliseconds",
-    "day": "days",
-    "week": "weeks",
-    "month": "months",
-    "year": "years yr yrs",
-    "usd": "dollar dollars $ bucks",
-    "eur": "euro euros €",
-    "gbp": "£ sterling quid",
-    "jpy": "yen ¥",
-    "cny": "yuan renminbi rmb",
-    "inr": "rupee rupees",
-    "chf": "franc francs",
-    "cad": "",
-    "aud": "",
-    "percent": "% percentage pct",
-    "byte": "bytes",
-    "kb": "kilobyte kilobytes",
-    "mb": "megabyte megabytes",
-    "gb": "gigabyte gigabytes",
-    "tb": "terabyte terabytes",
-    "w": "watt watts",
-    "kw": "kilowatt kilowatts",
-    "kwh": "",
-    "v": "volt volts",
-    "cal": "calorie calories kcal",
-    "j": "joule joules",
-    "psi": "",
-    "acre": "acres",
-    "hectare": "hectares ha",
-    "sqft": "",
-    "degree": "degrees",
-    "rad": "radian radians",
-}
-UNITS = {s: unit for unit, spellings in _UNIT_SPELLINGS.items() for s in [unit, *_words(spellings)]}
-# Short unit spellings that are ordinary words too: units only right after a number ("5 in", "3 m", "2 s").
-_AMBIGUOUS_UNITS = frozenset(_words("in m s g h l c f k j v w min pt ha gr cal day week month year second minute hour"))
-
-_LANGUAGE_SPELLINGS = {
-    "python": "py python3",
-    "java": "",
-    "javascript": "js ecmascript",
-    "typescript": "ts",
-    "c": "",
-    "c++": "cpp cplusplus",
-    "c#": "csharp",
-    "go": "golang",
-    "rust": "",
-    "ruby": "",
-    "php": "",
-    "swift": "",
-    "kotlin": "",
-    "scala": "",
-    "haskell": "",
-    "perl": "",
-    "lua": "",
-    "r": "",
-    "matlab": "",
-    "julia": "",
-    "dart": "",
-    "elixir": "",
-    "erlang": "",
-    "clojure": "",
-    "fortran": "",
-    "cobol": "",
-    "sql": "",
-    "bash": "sh zsh",
-    "powershell": "",
-    "html": "",
-    "css": "",
-    "english": "",
-    "spanish": "castilian",
-    "french": "",
-    "german": "",
-    "italian": "",
-    "portuguese": "",
-    "chinese": "mandarin",
-    "cantonese": "",
-    "japanese": "",
-    "korean": "",
-    "russian": "",
-    "arabic": "",
-    "hindi": "",
-    "bengali": "",
-    "dutch": "",
-    "swedish": "",
-    "norwegian": "",
-    "danish": "",
-    "finnish": "",
-    "polish": "",
-    "greek": "",
-    "turkish": "",
-    "hebrew": "",
-    "vietnamese": "",
-    "thai": "",
-    "indonesian": "",
-    "ukrainian": "",
-    "czech": "",
-    "latin": "",
-    "swahili": "",
-}
-LANGUAGES = {s: lang for lang, spellings in _LANGUAGE_SPELLINGS.items() for s in [lang, *_words(spellings)]}
-# Language names that are ordinary words too: languages only when capitalised (Go, R, C, Swift, Rust, Julia...).
-_AMBIGUOUS_LANGUAGES = frozenset(_words("go r c swift rust ruby dart julia lua perl scala latin sh"))
 
 # --- tokens -------------------------------------------------------------------------------------------------
 
@@ -352,9 +153,6 @@ class Token:
     clause: int  # index of the sentence it is in
 
 
-Sides = dict[str, tuple[tuple[frozenset[str], frozenset[str]], ...]]
-
-
 @dataclass(frozen=True)
 class Profile:
     """What one prompt holds, for comparisons: computed once per prompt."""
@@ -362,7 +160,6 @@ class Profile:
     text: str  # lower case, words separated by single spaces (for "does the other contain this phrase")
     content: tuple[str, ...]  # content word stems in order (stop and filler words out), with order markers kept
     clauses: tuple[int, ...]  # the clause of each content entry
-    sides: Sides  # each direction marker's neighbours: (words before it, words after it), per occurrence
     stems: frozenset[str]  # every word's stem, stop words included
     quoted: tuple[str, ...]
     code: frozenset[str]
@@ -377,6 +174,29 @@ class Profile:
     ]  # runs of capitalised words: (initials, stems), "nyc" for New York City
     scope: frozenset[str]
     quantifiers: frozenset[str]
+    words: frozenset[str] = frozenset()  # every word, lower case, as written (for affixes and antonyms)
+    instructions: frozenset[str] = frozenset()  # kinds of length, depth or format instruction (lexicon.py)
+    subject: str = ""  # the subject of a question ("does caffeine affect ..."), as its content stem, or ""
+
+
+_HYPHENATED_PREFIX = re.compile(r"\b(non|un|anti|dis)-(?=[a-z])", re.IGNORECASE)
+# A one-letter language name ("C", "R") only where a language stands: "in C", "C code", not "vitamin C".
+_LANGUAGE_BEFORE = frozenset(_words("in using with for to from into write learn"))
+_LANGUAGE_AFTER = frozenset(
+    _words("code program programs programming language function functions script library compiler pointer array")
+)
+# "How long", "how far", "how much": a question that leaves the answer's unit open matches one that names it.
+_OPEN_MEASURE = re.compile(r"\bhow (?:long|far|much|many|big|heavy|fast|tall|old|hot|cold|often)\b")
+_OPEN_MEASURES = frozenset(_words("long far much big heavy fast tall old hot cold often"))
+_STEM_SYNONYM: dict[str, str] = {}
+
+
+def _canonical(s: str) -> str:
+    """A content word's stem, a synonym folded into its group's first word ("costly" -> "expens")."""
+    if not _STEM_SYNONYM:
+        for word, canonical in lexicon.SYNONYM.items():
+            _STEM_SYNONYM[stem(word)] = stem(canonical)
+    return _STEM_SYNONYM.get(s, s)
 
 
 def _normal_text(text: str) -> str:
@@ -442,6 +262,9 @@ def _numbers_from_words(words: list[str]) -> tuple[list[tuple[int, float]], set[
 
 def profile(text: str) -> Profile:
     """Reduce a prompt to what the comparison needs (see the module's docstring)."""
+    text = lexicon.spell_out(text)
+    told = lexicon.instructions(text.lower())
+    text = _HYPHENATED_PREFIX.sub(r"\1", text)  # "non-toxic" is one word, "nontoxic", as "unsafe" is
     tokens = _tokens(text)
     words = [t.word for t in tokens]
     inner = [t for t in tokens if t.word[:1].isalpha() and len(t.word) > 3 and not t.sentence_start]
@@ -503,6 +326,9 @@ def profile(text: str) -> Profile:
             clauses.append(token.clause)
             continue
         named = w not in _AMBIGUOUS_LANGUAGES or (token.capitalised and not token.sentence_start)
+        if named and len(w) == 1:
+            after = words[i + 1] if i + 1 < len(words) else ""
+            named = before in _LANGUAGE_BEFORE or after in _LANGUAGE_AFTER
         if w in LANGUAGES and named and not (w == "c" and is_number):  # "20 C" is a temperature
             languages.add(LANGUAGES[w])
             content.append(LANGUAGES[w])
@@ -517,8 +343,14 @@ def profile(text: str) -> Profile:
         if w in NEGATIONS:
             negated = True
             continue
+        if w == "to" and before in _INFINITIVE_TAKERS:
+            continue  # "how to", "possible to bring": an infinitive, not a direction
         if w in ORDER_MARKERS:
-            content.append(f"<{w}>")
+            content.append(f"<{_MARKER_SAME.get(w, w)}>")
+            clauses.append(token.clause)
+            continue
+        if w in COORDINATORS:
+            content.append(COORDINATOR_TAG)
             clauses.append(token.clause)
             continue
         if w in STOP_WORDS or w in FILLER_WORDS:
@@ -532,7 +364,7 @@ def profile(text: str) -> Profile:
             or (token.capitalised and not token.sentence_start and not title_case)
         ):
             entities.add(s)
-        content.append(s)
+        content.append(_canonical(s))
         clauses.append(token.clause)
 
     numbers.extend(word_numbers)
@@ -553,7 +385,6 @@ def profile(text: str) -> Profile:
         text=f" {_normal_text(text)} ",
         content=tuple(content),
         clauses=tuple(clauses),
-        sides=_marker_sides(content, clauses),
         stems=frozenset(stem(w) for w in words),
         quoted=tuple(q for q in quoted if q),
         code=code,
@@ -566,7 +397,34 @@ def profile(text: str) -> Profile:
         runs=tuple(runs),
         scope=frozenset(scope),
         quantifiers=frozenset(quantifiers),
+        words=frozenset(words),
+        instructions=told,
+        subject=_subject(tokens),
     )
+
+
+# Auxiliaries that put a subject before a verb ("does X affect Y", "can X lead to Y"); "is" is left out, as
+# "what is the meaning of X" has no subject-verb order to read.
+_AUXILIARIES = frozenset(_words("do does did can could will would should"))
+_DETERMINERS = frozenset(_words("a an the my your his her their our its this that these those some any"))
+
+
+def _subject(tokens: list[Token]) -> str:
+    """The subject of a question: the first word after its first auxiliary ("How does caffeine affect sleep?",
+    "What effect does sleep have on caffeine?") or what "how many" counts ("how many cups are in a gallon"),
+    unless a pronoun is there."""
+    for i, token in enumerate(tokens):
+        counted = token.word in ("many", "much") and i > 0 and tokens[i - 1].word == "how"
+        if token.word not in _AUXILIARIES and not counted:
+            continue
+        j = i + 1
+        while j < len(tokens) and tokens[j].word in _DETERMINERS:
+            j += 1
+        if j >= len(tokens) or tokens[j].word in STOP_WORDS or tokens[j].word in FILLER_WORDS:
+            return ""
+        word = tokens[j].word
+        return UNITS[word] if word in UNITS else _canonical(stem(word))
+    return ""
 
 
 def _quoted_missing(a: Profile, b: Profile) -> bool:
@@ -587,10 +445,26 @@ def _expanded(a: Profile, b: Profile) -> set[str]:
     return explained
 
 
+_DEMONYM_ENDINGS = ("n", "an", "ian", "ean", "ese", "ish", "i")
+
+
+def _same_name(x: str, y: str) -> bool:
+    """Whether two stems name the same thing: a typo of it, or its adjective ("europ" / "european")."""
+    if lexicon.typo_of(x, y):
+        return True
+    short, long = (x, y) if len(x) < len(y) else (y, x)
+    return len(short) >= 4 and long.startswith(short) and long[len(short) :] in _DEMONYM_ENDINGS
+
+
 def _entities_differ(a: Profile, b: Profile) -> bool:
     # A word capitalised in one prompt names the same thing in the other, where it may be written in lower case.
     differing = (a.stems ^ b.stems) & (a.entities | b.entities)
-    return bool(differing - _expanded(a, b) - _expanded(b, a))
+    differing -= _expanded(a, b) | _expanded(b, a)
+    for x in differing:
+        other = b.stems - a.stems if x in a.stems else a.stems - b.stems
+        if not any(_same_name(x, y) for y in other):
+            return True
+    return False
 
 
 _OPPOSITE_STEMS: dict[str, set[str]] = {}
@@ -606,35 +480,79 @@ def _opposed(a: Profile, b: Profile) -> bool:
     return any(_OPPOSITE_STEMS.get(w, set()) & only_b for w in only_a)
 
 
-def _swapped(a: Profile, b: Profile) -> bool:
-    """Whether some word sits before a direction marker in one prompt and after it in the other, and vice versa."""
-    for marker, occurrences in a.sides.items():
-        for (left_a, right_a), (left_b, right_b) in zip(occurrences, b.sides.get(marker, ()), strict=False):
-            crossed_left = (left_a & right_b) - right_a - left_b
-            crossed_right = (right_a & left_b) - left_a - right_b
-            if crossed_left and crossed_right:
-                return True
-    return False
-
-
-def _marker_sides(content: list[str], clauses: list[int], window: int = 4) -> Sides:
-    """For each direction marker, in order: the content words just before it and just after it, in its clause."""
-    sides: dict[str, list[tuple[frozenset[str], frozenset[str]]]] = {}
-    for i, word in enumerate(content):
-        if not word.startswith("<"):
-            continue
-        clause = clauses[i]
-        left = [w for w, c in zip(content[:i], clauses[:i], strict=True) if c == clause and w[0] != "<"]
-        right = [w for w, c in zip(content[i + 1 :], clauses[i + 1 :], strict=True) if c == clause and w[0] != "<"]
-        sides.setdefault(word, []).append((frozenset(left[-window:]), frozenset(right[:window])))
-    return {marker: tuple(found) for marker, found in sides.items()}
-
-
 def _substituted(a: Profile, b: Profile) -> bool:
-    """Whether the prompts are one request with one content word swapped for another ("sugar" / "flour")."""
-    only_a = {w for w in a.content if w[0] != "<"} - set(b.content)
-    only_b = {w for w in b.content if w[0] != "<"} - set(a.content)
-    return len(only_a) == 1 and len(only_b) == 1 and bool(set(a.content) & set(b.content) - set(ORDER_TAGS))
+    """Whether the prompts are one request with one content word swapped for another ("sugar" / "flour").
+
+    Not a swap: a typo ("trian" / "train"), a synonym (folded when profiled) or another verb framing the request
+    ("convert X" / "change X")."""
+    only_a = {w for w in a.content if w[0] != "<" and w not in _FRAMING} - set(b.content)
+    only_b = {w for w in b.content if w[0] != "<" and w not in _FRAMING} - set(a.content)
+    if len(only_a) != 1 or len(only_b) != 1:
+        return False
+    (x,) = only_a
+    (y,) = only_b
+    if {x, y} & _OPEN_MEASURES and {x, y} & set(UNITS.values()):
+        return False  # "how long" / "how many hours": the unit the other leaves open
+    if _same_name(x, y) or _agent(x, y) or _agent(y, x) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
+        return False
+    return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})
+
+
+# A verb framing the request, or a quantifier (compared by the scope rule): not what the request is about.
+_FRAMING = frozenset(stem(w) for w in lexicon.REQUEST_VERBS | QUANTIFIERS)
+
+
+def _agent(x: str, y: str) -> bool:
+    """ "speaker" / "speak", "driver" / "drive": a doer named after the deed."""
+    return x in (y + "er", y + "r", y + "or")
+
+
+def _units_differ(a: Profile, b: Profile) -> bool:
+    if a.units == b.units:
+        return False
+    # "How long is the flight?" / "How many hours is the flight?": a unit named against an open measure.
+    if not a.units and _OPEN_MEASURE.search(a.text):
+        return False
+    return not (not b.units and _OPEN_MEASURE.search(b.text))
+
+
+def _affixed(a: Profile, b: Profile) -> bool:
+    return lexicon.affix_negated(a.words - b.words, b.words) or lexicon.affix_negated(b.words - a.words, a.words)
+
+
+def _antonyms(a: Profile, b: Profile) -> bool:
+    return lexicon.opposed(a.words - b.words, b.words - a.words)
+
+
+def _numbers_reordered(a: Profile, b: Profile) -> bool:
+    return len(a.numbers) > 1 and a.numbers != b.numbers and sorted(a.numbers) == sorted(b.numbers)
+
+
+def _scoped(a: Profile, b: Profile) -> bool:
+    return a.scope != b.scope or bool(a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers)
+
+
+Check = Callable[[Profile, Profile], bool]
+# The rules in the order they are tried: (the rule's name, the kind of difference it reports, the check).
+CHECKS: tuple[tuple[str, str, Check], ...] = (
+    ("quoted", "quoted", lambda a, b: _quoted_missing(a, b) or _quoted_missing(b, a)),
+    ("code", "code", lambda a, b: _code_missing(a, b) or _code_missing(b, a)),
+    ("language", "language", lambda a, b: a.languages != b.languages),
+    ("date", "date", lambda a, b: a.dates != b.dates),
+    ("number", "number", lambda a, b: set(a.numbers) != set(b.numbers)),
+    ("unit", "unit", _units_differ),
+    ("negation", "negation", lambda a, b: a.negated != b.negated),
+    ("affix", "negation", _affixed),
+    ("entity", "entity", _entities_differ),
+    ("direction word", "order", _opposed),
+    ("antonym", "antonym", _antonyms),
+    ("numbers reordered", "order", _numbers_reordered),
+    ("relation sides", "order", lambda a, b: marker_swapped(a, b) or marker_swapped(b, a)),
+    ("roles", "order", roles_swapped),
+    ("scope word", "scope", _scoped),
+    ("instruction", "scope", lambda a, b: a.instructions != b.instructions),
+)
+SUBSTITUTION: tuple[str, str, Check] = ("substitution", "substitution", _substituted)
 
 
 def compare(a: Profile, b: Profile, strict: bool = True) -> str | None:
@@ -642,30 +560,9 @@ def compare(a: Profile, b: Profile, strict: bool = True) -> str | None:
 
     `strict` adds the last rule, "substitution"; without it only the named kinds veto.
     """
-    if _quoted_missing(a, b) or _quoted_missing(b, a):
-        return "quoted"
-    if _code_missing(a, b) or _code_missing(b, a):
-        return "code"
-    if a.languages != b.languages:
-        return "language"
-    if a.dates != b.dates:
-        return "date"
-    if set(a.numbers) != set(b.numbers):
-        return "number"
-    if a.units != b.units:
-        return "unit"
-    if a.negated != b.negated:
-        return "negation"
-    if _entities_differ(a, b):
-        return "entity"
-    if _opposed(a, b):
-        return "order"
-    if len(a.numbers) > 1 and a.numbers != b.numbers and sorted(a.numbers) == sorted(b.numbers):
-        return "order"
-    if _swapped(a, b):
-        return "order"
-    if a.scope != b.scope or (a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers):
-        return "scope"
+    for _, kind, check in CHECKS:
+        if check(a, b):
+            return kind
     if strict and _substituted(a, b):
         return "substitution"
     return None

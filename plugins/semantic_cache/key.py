@@ -31,8 +31,14 @@ if TYPE_CHECKING:
 
 EmbedMode = Literal["last_user", "conversation"]
 TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
-ENDPOINTS = frozenset({"chat/completions", "completions"})
-CUT = "\x00embedded"  # what stands in the partition for the text that is embedded
+ENDPOINTS = frozenset({"chat/completions", "completions", "responses"})
+# A Responses request may be stored and read back by its id: `store` changes what the answer is (as in the exact
+# cache), so it stays in the partition.
+RESPONSES_TRANSPORT_ONLY = TRANSPORT_ONLY - {"store"}
+CUT = "\x00embedded"
+TEXT_PARTS = frozenset(
+    {"text", "input_text", "output_text"}
+)  # chat's, and the Responses API's  # what stands in the partition for the text that is embedded
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +73,12 @@ def plan(ex: Exchange, rules: Rules) -> Lookup | str:
         return "temperature"
     if (body.get("tools") or body.get("functions")) and not rules.allow_tools:
         return "tools"
+    if ex.endpoint == "responses" and body.get("background"):
+        return "background"  # polled by its id, not answered: nothing to replay
     if ex.endpoint == "completions":
         text, rest = _prompt(body)
+    elif ex.endpoint == "responses":
+        text, rest = _input(body, rules.embed)
     elif rules.embed == "last_user":
         text, rest = _last_user(body)
     else:
@@ -77,7 +87,8 @@ def plan(ex: Exchange, rules: Rules) -> Lookup | str:
         return "input"
     if len(text) > rules.max_text_chars:
         return "length"  # an embedding model truncates: a long text's tail would not count
-    fields = {k: v for k, v in rest.items() if k not in TRANSPORT_ONLY}
+    skip = RESPONSES_TRANSPORT_ONLY if ex.endpoint == "responses" else TRANSPORT_ONLY
+    fields = {k: v for k, v in rest.items() if k not in skip}
     material = orjson.dumps(
         [ex.endpoint, rules.embedding_model, rules.embed, fields], option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
     )
@@ -91,7 +102,11 @@ def text_of(content: Any) -> str | None:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in TEXT_PARTS
+                or not isinstance(part.get("text"), str)
+            ):
                 return None
             parts.append(part["text"])
         return "\n".join(parts)
@@ -136,3 +151,33 @@ def _prompt(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     if not isinstance(prompt, str) or not prompt.strip():
         return None, body
     return prompt, {**body, "prompt": CUT}
+
+
+def _input(body: dict[str, Any], embed: EmbedMode) -> tuple[str | None, dict[str, Any]]:
+    """A Responses request's text: its `input` string, or the last item of its `input` list, which must be a
+    user message (with `embed: conversation`, every item, each a message with text). `instructions`,
+    `previous_response_id` and the earlier items stay in the partition, as a chat request's history does."""
+    items = body.get("input")
+    if isinstance(items, str):
+        return (items, {**body, "input": [CUT]}) if items.strip() else (None, body)
+    if not isinstance(items, list) or not items:
+        return None, body
+    messages: list[dict[str, Any] | None] = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            messages.append(None)  # a tool call or its output, a reasoning item: not text to compare by meaning
+            continue
+        messages.append({"role": item.get("role"), "content": item.get("content")})
+    if embed == "conversation":
+        if any(m is None for m in messages):
+            return None, body
+        text, _ = _conversation({"messages": messages})
+        return text, {k: v for k, v in body.items() if k != "input"}
+    last = messages[-1]
+    if last is None or last.get("role") != "user":
+        return None, body
+    text = text_of(last.get("content"))
+    if not text or not text.strip():
+        return None, body
+    # The user's message is cut whole: a string input and a list of one user message are the same request.
+    return text, {**body, "input": [*items[:-1], CUT]}

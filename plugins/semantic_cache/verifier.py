@@ -62,7 +62,11 @@ class Verifier:
         self.targets = list(upstreams.chains[model])
 
     async def same(self, a: str, b: str, origin: Exchange) -> bool:
-        """Whether the model says `a` and `b` need the same answer within the deadline (False on anything else).
+        """Whether the model says `a` and `b` need the same answer within the deadline (False on anything else)."""
+        return await self.verdict(a, b, origin) == "yes"
+
+    async def verdict(self, a: str, b: str, origin: Exchange) -> str:
+        """The model's verdict on `a` and `b`: "yes", "no" (or anything but a clear yes), "timeout" or "error".
 
         Past the deadline the call is cancelled, which closes its upstream request: nothing outlives it.
         """
@@ -75,15 +79,17 @@ class Verifier:
         try:
             async with asyncio.timeout(self.deadline_s):
                 opened = await self.upstreams.open(ex)
-        except (TimeoutError, GatewayError):
-            return False
+        except TimeoutError:
+            return "timeout"
+        except GatewayError:
+            return "error"
         except Exception as exc:  # a transport failure outside the attempt loop's errors: still only a miss
             log.debug("semantic cache: verifier %s failed: %s", self.model, exc)
-            return False
+            return "error"
         try:
             answer = orjson.loads(opened.first)
         except orjson.JSONDecodeError:
-            return False
+            return "error"
         finally:
             opened.response.close()
-        return agrees(answer)
+        return "yes" if agrees(answer) else "no"

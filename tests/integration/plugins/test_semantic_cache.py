@@ -264,6 +264,58 @@ def test_hits_are_counted_and_the_span_and_access_log_name_the_entry(
     assert float(root.attributes["sluice.semantic_cache.age_s"]) >= 0.0
 
 
+def responses_calls(up: ScriptedUpstream) -> int:
+    return sum(1 for r in up.requests if r.path.endswith("/responses"))
+
+
+def test_the_responses_api_hits_as_json_and_as_events(
+    upstream: ScriptedUpstream, embedder: EmbeddingServer, tmp_path: Path
+) -> None:
+    # The in-process store and no exact cache: what is under test is the Responses request's text and partition.
+    only_semantic = config(upstream.url, embedder.base_url, "{type: memory}", plugins="auth, semantic_cache")
+    with gateway_process(only_semantic, tmp_path) as gw:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=ACME, max_retries=0, timeout=30)
+        question = "How do I sort a dictionary by value in Python?"
+        first = client.responses.with_raw_response.create(model="chat", input=question, temperature=0, store=False)
+        assert first.headers["x-sluice-semantic"] in ("miss", "near")
+        original = first.parse().output_text
+        assert original == TEXT
+
+        def entries() -> float:
+            return _value(httpx.get(f"{gw.url}/metrics").text, "sluice_semantic_cache_stored_total", tenant="acme")
+
+        wait_until(lambda: entries() >= 1, 20, what="the response stored")
+        before = responses_calls(upstream)
+        # A list of input items whose last is the user's message, its parts typed as the Responses API types them.
+        items = [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "How can I sort a dictionary by value in Python?"}],
+            }
+        ]
+        again = client.responses.with_raw_response.create(model="chat", input=items, temperature=0, store=False)  # type: ignore[arg-type]
+        assert again.headers.get("x-sluice-semantic") == "hit"
+        assert again.parse().output_text == original
+        with client.responses.with_streaming_response.create(
+            model="chat",
+            input="How can I sort a dictionary by its values in Python?",
+            temperature=0,
+            store=False,
+            stream=True,
+        ) as response:
+            assert response.headers["x-sluice-semantic"] == "hit"
+            events = list(response.parse())
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == original
+        assert events[-1].type == "response.completed"
+        assert responses_calls(upstream) == before  # every answer from the entry
+        # Other `instructions` make another partition: never answered from this entry.
+        other = client.responses.with_raw_response.create(
+            model="chat", input=question, instructions="Answer in French.", temperature=0, store=False
+        )
+        assert other.headers["x-sluice-semantic"] == "miss"
+        assert responses_calls(upstream) == before + 1
+
+
 def test_two_gateways_share_entries(
     gateway: RunningGateway,
     upstream: ScriptedUpstream,
@@ -382,8 +434,16 @@ def test_a_verifier_keeps_a_hit_on_yes_and_misses_on_no_or_past_its_deadline(
                 verifier_deadline_ms=deadline_ms,
             ),
             tmp_path,
+            "--access-log",
+            "--log-level",
+            "info",
+            "--log-format",
+            "json",
         ) as gw,
     ):
+
+        def verdict_logged(verdict: str) -> bool:
+            return f'"sluice.semantic_cache.verifier":"{verdict}"' in gw.log_text()
 
         def results(result: str) -> float:
             metrics = httpx.get(f"{gw.url}/metrics").text
@@ -412,6 +472,7 @@ def test_a_verifier_keeps_a_hit_on_yes_and_misses_on_no_or_past_its_deadline(
         prompt = asked.json["messages"][0]["content"]
         assert paraphrase in prompt
         assert original in prompt
+        wait_until(lambda: verdict_logged("yes"), 10, what="the verdict in the access line")
 
         # "no": the same candidate is a miss, counted as the verifier's, and the request goes upstream.
         judge.script(Ok(text="No"))
@@ -422,6 +483,7 @@ def test_a_verifier_keeps_a_hit_on_yes_and_misses_on_no_or_past_its_deadline(
         assert content == TEXT
         assert chat_calls(upstream) == before + 1
         wait_until(lambda: results("verifier") >= 1, 10, what="the verifier's miss counted")
+        wait_until(lambda: verdict_logged("no"), 10, what="the verdict in the access line")
 
         # A stalled verifier: a miss after about its deadline, never its stall.
         ask(gw, "warm the upstream connection")
@@ -435,4 +497,5 @@ def test_a_verifier_keeps_a_hit_on_yes_and_misses_on_no_or_past_its_deadline(
         assert seconds < deadline_ms / 1000 * 5 + 0.5, seconds
         assert judge.wait_disconnect(5)  # the stalled question is closed, not left running
         wait_until(lambda: results("verifier") >= 2, 10, what="the deadline's miss counted")
+        wait_until(lambda: verdict_logged("timeout"), 10, what="the deadline in the access line")
         assert results("hit") == 1

@@ -110,6 +110,43 @@ def test_text_parts_are_joined() -> None:
     assert lookup(exchange(messages=[{"role": "user", "content": parts}])).text == "Reverse\na list"
 
 
+def responses(**body: Any) -> Exchange:
+    fields = {"model": "chat", "input": "How do I reverse a list in Python?", **body}
+    return request.parse("responses", [], orjson.dumps(fields), time.perf_counter(), "r1")
+
+
+def test_a_responses_input_is_embedded_as_a_string_or_its_last_user_message() -> None:
+    plain = lookup(responses(temperature=0))
+    assert plain.text == "How do I reverse a list in Python?"
+    parts = [{"type": "input_text", "text": "How do I reverse a list in Python?"}]
+    listed = lookup(responses(temperature=0, input=[{"role": "user", "content": parts}]))
+    assert listed.text == plain.text
+    assert listed.partition == plain.partition  # a string input and a one-message list are the same request
+    # Instructions, earlier items and `store` (a stored response can be read back by its id) are the partition.
+    assert lookup(responses(temperature=0, instructions="Answer in French.")).partition != plain.partition
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert lookup(responses(temperature=0, input=[*earlier, {"role": "user", "content": parts}])).partition != (
+        plain.partition
+    )
+    assert lookup(responses(temperature=0, store=True)).partition != lookup(responses(temperature=0)).partition
+    # And the endpoint: a chat request with the same question never shares its entries.
+    assert lookup(exchange(temperature=0)).partition != plain.partition
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"background": True}, "background"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "42"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": "   "}, "input"),
+    ],
+    ids=["background", "tool-output-last", "image", "blank"],
+)
+def test_responses_that_are_not_eligible_say_why(body: dict[str, Any], why: str) -> None:
+    assert plan(responses(**body), RULES) == why
+
+
 # -- the in-process store
 
 

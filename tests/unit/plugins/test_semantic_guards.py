@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from plugins.semantic_cache.guards import compare, profile, stem, veto
+from plugins.semantic_cache.guards import CHECKS, SUBSTITUTION, compare, profile, stem, veto
 
 VETOED = [
     ("number", "Convert 5 km to miles", "Convert 50 km to miles"),
@@ -125,3 +125,65 @@ def test_it_is_cheap() -> None:
     per_veto = (time.perf_counter() - started) / (5 * len(VETOED))
     assert per_compare < 500e-6
     assert per_veto < 5e-3
+
+
+# Rules that follow from the language, tried on sentences of no pair set.
+VETOED_BY_RULE = [
+    # roles: multi-word names, relations written with other words than "to"
+    ("order", "How long is the drive from Santa Fe to El Paso?", "How long is the drive from El Paso to Santa Fe?"),
+    ("order", "Did the New York Yankees beat the Red Sox?", "Did the Red Sox win against the New York Yankees?"),
+    ("order", "Does sugar raise cortisol?", "Can cortisol lead to sugar?"),
+    ("order", "How many pints are in a quart?", "How many quarts are in a pint?"),
+    ("order", "Can I use maple syrup instead of honey?", "Can I substitute honey for maple syrup?"),
+    ("order", "Is rye bread better for you than white bread?", "Is white bread better for your health than rye?"),
+    # length, depth and format instructions
+    ("scope", "Explain how tides work", "Explain how tides work in one sentence"),
+    ("scope", "Summarize the French Revolution briefly", "Summarize the French Revolution in great detail"),
+    ("scope", "What is a mutex?", "What is a mutex? Just give me the short answer"),
+    ("scope", "How do I bake bread?", "How do I bake bread, step by step?"),
+    # negation by a prefix
+    ("negation", "Which mushrooms are edible?", "Which mushrooms are inedible?"),
+    ("negation", "List common regular verbs", "List common irregular verbs"),
+    ("negation", "Suggest non-dairy desserts", "Suggest dairy desserts"),
+    ("negation", "Why do some people distrust banks?", "Why do some people trust banks?"),
+    # antonyms, degrees folded
+    ("antonym", "What is the deepest lake in Africa?", "What is the shallowest lake in Africa?"),
+    ("antonym", "Which fabric is the cheapest?", "Which fabric is the most expensive?"),
+    ("antonym", "What are the strengths of nuclear energy?", "What are the weaknesses of nuclear energy?"),
+]
+
+HARMLESS_BY_RULE = [
+    ("How do I travel by train from Lyon to Nice?", "How do I travle by train from Lyon to Nice?"),  # a typo
+    ("can u recommend a good book abt history pls", "Can you recommend a good book about history?"),  # shorthand
+    ("How much does a big dog eat?", "How much does a large dog eat?"),  # a synonym
+    ("What is the oldest city in Asia?", "Which Asian city is the oldest?"),  # a demonym, an adjective moved
+    ("Which phone brand is the cheapest?", "What is the cheapest brand of phone?"),
+    ("How long is the flight to Rome?", "How many hours is the flight to Rome?"),  # an open measure
+    ("Convert US dollars to euros", "How do I change US dollars into euros?"),  # a framing verb, "into" = "to"
+    ("What's the time difference between Tokyo and Seoul?", "Time difference between Seoul and Tokyo?"),
+    ("Foods rich in vitamin C", "Which foods have lots of vitamin C?"),  # "vitamin C" is not a language
+]
+
+
+@pytest.mark.parametrize(("kind", "a", "b"), VETOED_BY_RULE)
+def test_rules_from_language_veto(kind: str, a: str, b: str) -> None:
+    assert veto(a, b) == kind
+    assert veto(b, a) == kind
+
+
+@pytest.mark.parametrize(("a", "b"), HARMLESS_BY_RULE)
+def test_typos_shorthand_and_synonyms_do_not_veto(a: str, b: str) -> None:
+    assert veto(a, b) is None
+    assert veto(b, a) is None
+
+
+def test_every_rule_is_cheap() -> None:
+    # Each rule's time per check is printed by `sluice cache evaluate` (docs/semantic-cache.md); here only a
+    # bound that a rule costing a millisecond would break, on a loaded machine.
+    profiles = [(profile(a), profile(b)) for _, a, b in VETOED + VETOED_BY_RULE]
+    for name, _kind, check in (*CHECKS, SUBSTITUTION):
+        started = time.perf_counter()
+        for _ in range(5):
+            for a, b in profiles:
+                check(a, b)
+        assert (time.perf_counter() - started) / (5 * len(profiles)) < 1e-3, name

@@ -1,0 +1,137 @@
+"""Roles: whether two prompts name the same things in exchanged roles ("X to Y" / "Y into X", "does X affect Y" /
+"what effect does Y have on X", "did A beat B" / "did B win against A"), read from their profiles' content
+words in order, with relation markers and "and"/"or" kept as tags (guards.py makes the profiles).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plugins.semantic_cache import lexicon
+from plugins.semantic_cache.vocabulary import COORDINATOR_TAG
+
+if TYPE_CHECKING:
+    from plugins.semantic_cache.guards import Profile
+
+Arguments = tuple[tuple[str, ...], tuple[str, ...]]
+
+
+def _arguments(content: tuple[str, ...], clauses: tuple[int, ...], window: int = 4) -> dict[str, list[Arguments]]:
+    """For each relation marker, per occurrence: the content words before it and after it, nearest first, up to
+    the next marker or the clause's end: the two things the relation joins ("New York" <to> "Los Angeles")."""
+    found: dict[str, list[Arguments]] = {}
+    for i, word in enumerate(content):
+        if word[0] != "<" or word == COORDINATOR_TAG:
+            continue
+        sides: list[list[str]] = [[], []]
+        for side, step in ((0, -1), (1, 1)):
+            j = i + step
+            while 0 <= j < len(content) and clauses[j] == clauses[i] and len(sides[side]) < window:
+                if content[j][0] != "<":  # other markers are passed over: "better for health than X"
+                    sides[side].append(content[j])
+                elif content[j] == word:
+                    break  # up to the next occurrence of the same marker
+                j += step
+        found.setdefault(word, []).append((tuple(sides[0]), tuple(sides[1])))
+    return found
+
+
+def _crossed(
+    left_a: tuple[str, ...], right_a: tuple[str, ...], left_b: tuple[str, ...], right_b: tuple[str, ...]
+) -> bool:
+    """Whether a word of each side went to the other side; adjectives move freely ("the best way to learn" /
+    "which way of learning ... is the best") and do not count."""
+    went_right = {w for w in (set(left_a) & set(right_b)) - set(left_b) - set(right_a) if not _adjective(w)}
+    went_left = {w for w in (set(right_a) & set(left_b)) - set(right_b) - set(left_a) if not _adjective(w)}
+    return bool(went_right and went_left)
+
+
+def marker_swapped(a: Profile, b: Profile) -> bool:
+    """Whether the things on the two sides of a shared relation marker changed sides ("X to Y" / "Y into X").
+
+    A side runs to the clause's end or the next occurrence of the same marker, passing over other markers
+    ("better for your health than X"), at most four content words, nearest first."""
+    args_b = _arguments(b.content, b.clauses)
+    for marker, occurrences in _arguments(a.content, a.clauses).items():
+        others = args_b.get(marker)
+        if not others:
+            continue
+        for left_a, right_a in occurrences:
+            if not left_a or not right_a:
+                continue
+            if any(_crossed(left_a, right_a, left_b, right_b) for left_b, right_b in others):
+                return True
+    return False
+
+
+def _positions(content: tuple[str, ...]) -> dict[str, int]:
+    """The position of each content word that occurs once (markers and repeated words left out)."""
+    seen: dict[str, int] = {}
+    repeated: set[str] = set()
+    for i, w in enumerate(content):
+        if w[0] == "<":
+            continue
+        if w in seen:
+            repeated.add(w)
+        seen[w] = i
+    return {w: i for w, i in seen.items() if w not in repeated}
+
+
+def _between(content: tuple[str, ...], i: int, j: int) -> list[str]:
+    return list(content[min(i, j) + 1 : max(i, j)])
+
+
+def roles_swapped(a: Profile, b: Profile) -> bool:
+    """Whether two things trade places around the same relation, whatever word says it.
+
+    - Around a verb or other word left in place: "Does caffeine cause sleep?" / "Can sleep lead to caffeine?"
+      (the same content words, "cause" = "lead", stand between them on both sides).
+    - Named things (capitalised, acronyms) in the other order, with a word between them on both sides and no
+      "and", "or" or "vs": "Did France beat Argentina?" / "Did Argentina win against France?".
+    - Two kinds of one thing in the other order: "brown rice instead of white rice" / "white rice for brown
+      rice" (the same word after each)."""
+    x, y = a.subject, b.subject
+    if x and y and x != y and x in b.content and y in a.content:
+        return True  # the subject of one is the object of the other
+    pos_a, pos_b = _positions(a.content), _positions(b.content)
+    shared = [w for w in pos_a if w in pos_b]
+    named = a.entities | b.entities
+    shared = [w for w in shared if not _adjective(w)]
+    for n, u in enumerate(shared):
+        for v in shared[n + 1 :]:
+            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
+                continue  # the same order
+            between_a = _between(a.content, pos_a[u], pos_a[v])
+            between_b = _between(b.content, pos_b[u], pos_b[v])
+            if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
+                continue
+            words_a = {w for w in between_a if w[0] != "<"}
+            words_b = {w for w in between_b if w[0] != "<"}
+            if words_a and words_a == words_b and len(words_a) <= 2:
+                return True
+            if u in named and v in named and words_a - named and words_b - named:
+                return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
+    return _heads_swapped(a, b)
+
+
+def _adjective(w: str) -> bool:
+    """A known adjective or a superlative: it moves freely ("the safest car brand" / "which car brand is the
+    safest") and bears no role."""
+    return w in lexicon.LEMMA or (w.endswith("est") and len(w) > 5)
+
+
+def _heads_swapped(a: Profile, b: Profile) -> bool:
+    """ "u h ... v h" in one and "v h ... u h" in the other: two kinds of one thing swapped."""
+
+    def kinds(content: tuple[str, ...]) -> list[tuple[str, str, int]]:
+        return [(content[i], content[i + 1], i) for i in range(len(content) - 1) if content[i][0] != "<"]
+
+    in_b = {(u, h): i for u, h, i in kinds(b.content)}
+    found = kinds(a.content)
+    for u, h, i in found:
+        for v, h2, j in found:
+            if h2 != h or v == u or j <= i or (u, h) not in in_b or (v, h) not in in_b:
+                continue
+            if in_b[(v, h)] < in_b[(u, h)] and COORDINATOR_TAG not in a.content[i:j]:
+                return True
+    return False

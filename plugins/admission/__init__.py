@@ -126,6 +126,7 @@ class Admission:
         self.shed: Any = None
         self.queued: Any = None
         self.queue_seconds: Any = None
+        self.waiting: Any = None
 
     def _weight(self, tenant: str) -> int:
         spec = self.tenants.get(tenant)
@@ -152,6 +153,11 @@ class Admission:
         self.queued = meter.counter(
             "sluice_admission_queued_total",
             "Requests that waited at the gateway for a slot of a saturated backend.",
+            ("backend", LABEL),
+        )
+        self.waiting = meter.gauge(
+            "sluice_admission_waiting",
+            "Requests waiting now at the gateway for a slot of a saturated backend.",
             ("backend", LABEL),
         )
         self.queue_seconds = meter.counter(
@@ -211,6 +217,9 @@ class Admission:
         if cls.sheddable and predicted > cls.slo_s:
             raise self._shed(gate, cls, "predicted", predicted)
         began = time.perf_counter()
+        gauge = self.waiting.labels(gate.backend, cls.name) if self.waiting is not None else None
+        if gauge is not None:
+            gauge.inc()
         try:
             if cls.sheddable:
                 async with asyncio.timeout(cls.slo_s):
@@ -221,6 +230,9 @@ class Admission:
             raise self._shed(gate, cls, "queue_full", predicted) from None
         except TimeoutError:
             raise self._shed(gate, cls, "waited", gate.predicted_s(cls.rank)) from None
+        finally:
+            if gauge is not None:
+                gauge.dec()
         now = time.perf_counter()
         ex.state[NAME] = Held(gate, now)
         waited = now - began

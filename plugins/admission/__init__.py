@@ -133,6 +133,7 @@ class Admission:
                 len(self.classes),
                 self._weight,
                 capacity.max_queue,
+                capacity.reserved,
             )
         meter = runtime.meter
         self.shed = meter.counter(
@@ -209,7 +210,7 @@ class Admission:
         gate = self.gates.get(targets[0].backend)
         if gate is None:
             return
-        if gate.inflight < gate.capacity and not gate.waiting:  # Gate.enter, inline
+        if gate.inflight < gate.limits[cls.rank] and not gate.waiting:  # Gate.enter, inline
             gate.inflight += 1
             ex.state[NAME] = (gate, time.perf_counter())
             return
@@ -232,6 +233,7 @@ class Admission:
         except Full:
             raise self._shed(gate, cls, "queue_full", predicted) from None
         except TimeoutError:
+            ex.upstream_ms += (time.perf_counter() - began) * 1000.0  # waiting is not the gateway's own time
             raise self._shed(gate, cls, "waited", gate.predicted_s(cls.rank)) from None
         finally:
             if gauge is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway.settings import Strict
 
@@ -44,6 +44,14 @@ class ClassSpec(Strict):
 class BackendCapacity(Strict):
     max_in_flight: int = Field(ge=1)  # per endpoint (replica) in service: the gateway's requests at once
     max_queue: int = Field(1024, ge=0)  # waiting at the gateway for this backend, every class together
+    # Of max_in_flight, the slots per endpoint only the highest class may take: it then finds one at once.
+    reserved: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _room_left(self) -> BackendCapacity:
+        if self.reserved >= self.max_in_flight:
+            raise ValueError(f"reserved ({self.reserved}) must be below max_in_flight ({self.max_in_flight})")
+        return self
 
 
 class AdmissionSection(Strict):

@@ -10,6 +10,10 @@ The predicted time to first token of a request that would queue is the wait (the
 class and above, over the service rate: capacity / the mean time a slot is held) plus the mean TTFT measured
 once served. Both means are exponentially weighted over the last few dozen requests.
 
+`reserved` slots (per endpoint) are kept for the highest class: the others pass only while fewer than
+`capacity - reserved` are in flight, so that a top-class request finds a slot at once instead of waiting for
+the next one to free (a backend without preemption cannot make room any faster).
+
 Unloaded, a request costs one comparison and an increment going in and a decrement going out.
 """
 
@@ -95,21 +99,31 @@ class Gate:
         classes: int,
         weight: Callable[[str], int],
         max_queue: int,
+        reserved: int = 0,
     ) -> None:
         self.backend = backend
         self.per_endpoint = per_endpoint
+        self.reserved_per_endpoint = reserved
         self.endpoints = endpoints  # endpoints in service now (replicas come and go)
-        self.capacity = per_endpoint * max(1, endpoints())
+        self.capacity = 0
+        self.limits: list[int] = []  # by rank: the in-flight count below which a request of that class passes
         self.inflight = 0
         self.waiting = 0
         self.max_queue = max_queue
         self.queues = [Fair(weight) for _ in range(classes)]  # by rank, 0 the highest
+        self._size()
         self.hold_s = 0.0  # mean time a slot is held; 0 until a request has left
         self.ttft_s = 0.0  # mean time to first token once through (upstream), 0 until measured
 
-    def enter(self) -> bool:
-        """Take a slot now if one is free and nobody waits for it (the unloaded path)."""
-        if self.inflight < self.capacity and not self.waiting:
+    def _size(self) -> None:
+        count = max(1, self.endpoints())
+        self.capacity = self.per_endpoint * count
+        shared = max(1, self.capacity - self.reserved_per_endpoint * count)
+        self.limits = [self.capacity] + [shared] * (len(self.queues) - 1)
+
+    def enter(self, rank: int = 0) -> bool:
+        """Take a slot now if one is free for the class and nobody waits for it (the unloaded path)."""
+        if self.inflight < self.limits[rank] and not self.waiting:
             self.inflight += 1
             return True
         return False
@@ -122,7 +136,7 @@ class Gate:
         """Predicted time to first token of a request of class `rank` queued now; 0 before any measure."""
         if self.hold_s <= 0.0:
             return 0.0
-        return (self.ahead(rank) + 1) * self.hold_s / self.capacity + self.ttft_s
+        return (self.ahead(rank) + 1) * self.hold_s / self.limits[rank] + self.ttft_s
 
     async def wait(self, tenant: str, rank: int) -> None:
         """Queue until a slot is handed over. Cancelled (the client left, a timeout), the place is given up;
@@ -134,6 +148,8 @@ class Gate:
         queue = self.queues[rank]
         queue.push(waiter)
         self.waiting += 1
+        # A top-class request may find a reserved slot free while lower classes wait for a shared one.
+        self._hand_over()
         try:
             await future
         except BaseException:
@@ -153,17 +169,19 @@ class Gate:
     def leave_now(self) -> None:
         self.inflight -= 1
         if self.waiting:
-            self.capacity = self.per_endpoint * max(1, self.endpoints())
+            self._size()
             self._hand_over()
 
     def _hand_over(self) -> None:
-        while self.waiting and self.inflight < self.capacity:
-            for queue in self.queues:
-                if queue.count:
-                    waiter = queue.pop()
-                    break
-            else:  # pragma: no cover - `waiting` counts the queues' waiters
+        limits = self.limits
+        while self.waiting:
+            rank = next((r for r, q in enumerate(self.queues) if q.count), -1)
+            if rank < 0:  # pragma: no cover - `waiting` counts the queues' waiters
                 return
+            queue = self.queues[rank]
+            if self.inflight >= limits[rank]:
+                return  # the classes below it have the same limit: none of them may pass either
+            waiter = queue.pop()
             self.waiting -= 1
             if waiter.future.done():  # cancelled, its task not yet run to give up its place
                 continue

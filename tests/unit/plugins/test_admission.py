@@ -102,6 +102,24 @@ async def test_a_waiter_cancelled_gives_up_its_place_and_a_slot_handed_to_it_goe
     assert g.enter()
 
 
+async def test_reserved_slots_are_the_top_class_s_alone() -> None:
+    g = Gate("b", 3, lambda: 1, 3, lambda _: 1, 100, reserved=1)
+    assert g.enter(2)
+    assert g.enter(1)
+    assert not g.enter(2)  # the last slot is the top class's
+    low = asyncio.create_task(g.wait("a", 2))
+    await asyncio.sleep(0)
+    assert not low.done()
+    await asyncio.wait_for(g.wait("b", 0), 5)  # a top-class request takes it at once, lower ones waiting or not
+    assert g.inflight == 3
+    g.leave_now()  # the top class's slot frees: the lower class may still not take it
+    await asyncio.sleep(0)
+    assert not low.done()
+    g.leave_now()  # a shared slot frees: the lower class's turn
+    await asyncio.wait_for(low, 5)
+    assert g.inflight == 2
+
+
 async def test_the_queue_is_bounded() -> None:
     g = gate(max_queue=1)
     assert g.enter()

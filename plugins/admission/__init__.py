@@ -158,9 +158,6 @@ class Admission:
             ("backend", LABEL),
         )
 
-    def report(self) -> dict[str, object]:
-        return {name: gate.report() for name, gate in self.gates.items()}
-
     def classify(self, ex: Exchange) -> Class:
         """The request's class: asked for, within what its tenant may use; else its tenant's default."""
         spec = self.tenants.get(ex.tenant, self.anyone)

@@ -187,12 +187,3 @@ class Gate:
                 continue
             self.inflight += 1  # counted as in flight before it wakes: nobody can take its slot meanwhile
             waiter.future.set_result(None)
-
-    def report(self) -> dict[str, object]:
-        return {
-            "capacity": self.capacity,
-            "in_flight": self.inflight,
-            "waiting": [q.count for q in self.queues],
-            "mean_hold_ms": round(self.hold_s * 1000.0, 3),
-            "mean_ttft_ms": round(self.ttft_s * 1000.0, 3),
-        }

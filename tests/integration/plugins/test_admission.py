@@ -236,3 +236,15 @@ def test_the_simulated_vllm_serves_by_the_priority_the_class_sends() -> None:
         for thread in threads:
             thread.join(30)
         assert done[1:] == ["interactive", "batch"]
+
+
+def test_a_background_job_goes_up_in_the_lowest_class(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
+    # top's own class is interactive, but a background job runs as batch: `service_tier: flex` upstream.
+    count = len(upstream.requests)
+    headers = {"authorization": f"Bearer {TOP}", "x-sluice-background": "true"}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "later"}]}
+    accepted = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers, timeout=30)
+    assert accepted.status_code == 202
+    wait_for(lambda: len(upstream.requests) > count, 10, "the job's request reaching the upstream")
+    assert upstream.requests[count].json["service_tier"] == "flex"
+    assert upstream.requests[count].json["messages"][0]["content"] == "later"

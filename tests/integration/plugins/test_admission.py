@@ -248,3 +248,24 @@ def test_a_background_job_goes_up_in_the_lowest_class(gateway: RunningGateway, u
     wait_for(lambda: len(upstream.requests) > count, 10, "the job's request reaching the upstream")
     assert upstream.requests[count].json["service_tier"] == "flex"
     assert upstream.requests[count].json["messages"][0]["content"] == "later"
+
+
+def test_a_stream_holds_its_slot_to_its_end_and_a_client_that_leaves_gives_up_its_place(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    upstream.script(Ok(ttft_ms=50, tpot_ms=2000, tokens=4))  # six seconds of stream
+    headers = {"authorization": f"Bearer {STD}"}
+    body = {"model": "chat", "messages": [{"role": "user", "content": "stream"}], "stream": True}
+    with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, headers=headers, timeout=30) as r:
+        chunks = r.iter_raw()
+        next(chunks)  # streaming: its slot is held
+        # A request that comes now waits; its client leaves; the one after it is served once the stream ends.
+        with httpx.Client(timeout=httpx.Timeout(30.0, read=0.5)) as leaving:
+            payload = {"model": "chat", "messages": [{"role": "user", "content": "gone"}]}
+            with pytest.raises(httpx.ReadTimeout):
+                leaving.post(f"{gateway.base_url}/chat/completions", json=payload, headers=headers)
+        wait_for(lambda: waiting(gateway) == 0, 10, "the place given up")
+        after = queue(gateway, [(STD, "after")])[0]
+        assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+    assert after.result().status_code == 200
+    assert [r.json["messages"][0]["content"] for r in upstream.requests[-2:]] == ["stream", "after"]

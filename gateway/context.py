@@ -39,7 +39,7 @@ class Exchange:
     index: dict[bytes, bytes] | None = None  # name -> first value, made by the first header() call
     tenant = "anonymous"
     served: Target | None = None
-    fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge
+    fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge|loading|overload
     hedge_after_ms: float | None = None  # set by a routing plugin to race the next target
     hedged = False
     traceparent: bytes | None = None

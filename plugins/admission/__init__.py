@@ -11,8 +11,9 @@ A backend named under `admission.backends` has a capacity: `max_in_flight` per e
 requests pass at once; beyond it they wait here (`queue.py`), by class and fairly across the tenants of a
 class, and each freed slot wakes the next in that order. A sheddable class whose predicted time to first
 token exceeds its `ttft_slo_ms` is refused at once (503, `retry-after`, code `priority_shed`), as is one
-that has waited that long; a class that is not sheddable waits its turn. The gate is the backend of the
-request's first target, as the slo plugin left `ex.targets`: list this plugin after it.
+that has waited that long; a class that is not sheddable waits its turn. A class with `spill` goes to the first
+fallback whose backend has room rather than wait (`x-sluice-fallback: overload`). The gate is the backend of
+the request's first target, as the slo plugin left `ex.targets`: list this plugin after it.
 
 Imports: the core (gateway.*) only.
 """
@@ -97,7 +98,7 @@ class Admission:
         section = config.section
         self.section = section
         self.classes = tuple(
-            Class(c.name, rank, c.sheddable, c.ttft_slo_ms / 1000.0, c.name.encode())
+            Class(c.name, rank, c.sheddable, c.ttft_slo_ms / 1000.0, c.name.encode(), c.spill)
             for rank, c in enumerate(section.classes)
         )
         self.by_name = {c.name.encode(): c for c in self.classes}
@@ -211,7 +212,27 @@ class Admission:
             gate.inflight += 1
             ex.state[NAME] = (gate, time.perf_counter())
             return
+        if cls.spill and self._spill(ex, gate, cls):
+            return
         await self._queue(ex, gate, cls)
+
+    def _spill(self, ex: Exchange, saturated: Gate, cls: Class) -> bool:
+        """Serve from the first fallback with room rather than wait for the saturated primary."""
+        targets = ex.targets
+        for index in range(1, len(targets)):
+            target = targets[index]
+            if target.backend == saturated.backend:
+                continue
+            gate = self.gates.get(target.backend)
+            if gate is not None:
+                if not (gate.inflight < gate.limits[cls.rank] and not gate.waiting):
+                    continue
+                gate.inflight += 1
+                ex.state[NAME] = (gate, time.perf_counter())
+            ex.targets = [target, *targets[:index], *targets[index + 1 :]]
+            ex.fallback = "overload"
+            return True
+        return False
 
     async def _queue(self, ex: Exchange, gate: Gate, cls: Class) -> None:
         predicted = gate.predicted_s(cls.rank)

@@ -34,6 +34,9 @@ class ClassSpec(Strict):
     # when it has waited that long in the queue; a class that is not sheddable waits its turn.
     sheddable: bool = False
     ttft_slo_ms: float = Field(5000.0, gt=0)
+    # While the primary's backend is saturated, go to the first fallback (`models.NAME.fallback`) whose
+    # backend has a free slot, or no gate, rather than wait: `x-sluice-fallback: overload`.
+    spill: bool = False
     # Sent upstream as `priority` to vLLM backends (vLLM: lower is served first; the server must run with
     # `--scheduling-policy priority`). None: the field is not sent.
     vllm_priority: int | None = None
@@ -102,6 +105,7 @@ class Class:
     sheddable: bool
     slo_s: float
     label: bytes  # the header's value, encoded once
+    spill: bool = False
 
 
 @dataclass(frozen=True, slots=True)

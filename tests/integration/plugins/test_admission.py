@@ -32,9 +32,12 @@ def config(url: str, kind: str = "openai", capacity: str = "oa: {max_in_flight: 
     return f"""
 backends:
   oa: {{type: {kind}, base_url: "{url}/v1", api_key: sk-backend}}
+  ob: {{type: {kind}, base_url: "{url}/v1", api_key: sk-backend}}
 pool: {{max_connections: 16, warm_connections: 0}}
 models:
   chat: {{backend: oa, upstream_model: sim}}
+  spilling: {{backend: oa, upstream_model: sim, fallback: [spare]}}
+  spare: {{backend: ob, upstream_model: sim}}
 tenants:
   top: {{keys: ["{TOP_HASH}"], priority: {{class: interactive}}}}
   std: {{keys: ["{STD_HASH}"], priority: {{class: standard}}}}
@@ -44,7 +47,7 @@ tenants:
 auth: {{required: true}}
 admission:
   classes:
-    - {{name: interactive, ttft_slo_ms: 60000, service_tier: priority, vllm_priority: 0}}
+    - {{name: interactive, ttft_slo_ms: 60000, service_tier: priority, vllm_priority: 0, spill: true}}
     - {{name: standard, ttft_slo_ms: 60000}}
     - {{name: batch, ttft_slo_ms: 300, sheddable: true, service_tier: flex, vllm_priority: 10}}
   backends: {{{capacity}}}
@@ -76,13 +79,15 @@ def post(gw: RunningGateway, key: str, tag: str, priority: str | None = None, **
 class Sent:
     """A request in a thread of its own; `.response` once it is answered."""
 
-    def __init__(self, gw: RunningGateway, key: str, tag: str, priority: str | None = None) -> None:
+    def __init__(
+        self, gw: RunningGateway, key: str, tag: str, priority: str | None = None, model: str = "chat"
+    ) -> None:
         self.response: httpx.Response | None = None
-        self.thread = threading.Thread(target=self._run, args=(gw, key, tag, priority), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(gw, key, tag, priority, model), daemon=True)
         self.thread.start()
 
-    def _run(self, gw: RunningGateway, key: str, tag: str, priority: str | None) -> None:
-        self.response = post(gw, key, tag, priority)
+    def _run(self, gw: RunningGateway, key: str, tag: str, priority: str | None, model: str) -> None:
+        self.response = post(gw, key, tag, priority, model=model)
 
     def result(self) -> httpx.Response:
         self.thread.join(60)
@@ -98,9 +103,9 @@ def tags_since(up: ScriptedUpstream, start: int) -> list[str]:
     return [r.json["messages"][0]["content"] for r in up.requests[start:]]
 
 
-def block(gw: RunningGateway, up: ScriptedUpstream, key: str = TOP) -> Sent:
+def block(gw: RunningGateway, up: ScriptedUpstream, key: str = TOP, ms: float = BLOCK_MS) -> Sent:
     """Hold the backend's only slot with a slow answer; return once the upstream has it."""
-    up.script(Ok(ttft_ms=BLOCK_MS, tokens=2))
+    up.script(Ok(ttft_ms=ms, tokens=2))
     count = len(up.requests)
     blocker = Sent(gw, key, "blocker")
     wait_for(lambda: len(up.requests) > count, 10, "the blocker reaching the upstream")
@@ -118,8 +123,9 @@ def queue(gw: RunningGateway, sends: list[tuple[str, str]]) -> list[Sent]:
 
 def test_a_higher_class_is_served_first_when_a_slot_frees(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
     start = len(upstream.requests)
-    blocker = block(gateway, upstream)
+    blocker = block(gateway, upstream, ms=4000)  # long enough for the queue to be built behind it
     queued = queue(gateway, [(STD, "std-1"), (STD, "std-2"), (TOP, "top-1")])
+    assert blocker.thread.is_alive(), "the blocker ended before the queue was built"
     assert blocker.result().status_code == 200
     answers = [s.result() for s in queued]
     assert [a.status_code for a in answers] == [200, 200, 200]
@@ -130,9 +136,10 @@ def test_a_higher_class_is_served_first_when_a_slot_frees(gateway: RunningGatewa
 
 def test_tenants_of_a_class_take_turns_by_weight(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:
     start = len(upstream.requests)
-    blocker = block(gateway, upstream)
+    blocker = block(gateway, upstream, ms=6000)
     sends = [(HEAVY, f"heavy-{i}") for i in range(1, 5)] + [(LIGHT, f"light-{i}") for i in range(1, 3)]
     queued = queue(gateway, sends)
+    assert blocker.thread.is_alive(), "the blocker ended before the queue was built"
     blocker.result()
     assert all(s.result().status_code == 200 for s in queued)
     # heavy has weight 2: two turns of its, then one of light's, while both have requests waiting.
@@ -269,3 +276,20 @@ def test_a_stream_holds_its_slot_to_its_end_and_a_client_that_leaves_gives_up_it
         assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
     assert after.result().status_code == 200
     assert [r.json["messages"][0]["content"] for r in upstream.requests[-2:]] == ["stream", "after"]
+
+
+def test_a_class_that_spills_takes_a_fallback_with_room_rather_than_wait(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    blocker = block(gateway, upstream)
+    spilled = post(gateway, TOP, "spilled", model="spilling")
+    assert blocker.thread.is_alive(), "it waited for the primary instead of going to the fallback"
+    assert spilled.status_code == 200
+    assert spilled.headers["x-sluice-model"] == "spare"
+    assert spilled.headers["x-sluice-fallback"] == "overload"
+    # standard does not spill: it waits for the primary.
+    waits = Sent(gateway, STD, "waits", model="spilling")
+    wait_for(lambda: waiting(gateway) >= 1, 10, "the standard request waiting")
+    assert blocker.result().status_code == 200
+    assert waits.result().headers["x-sluice-model"] == "spilling"
+    assert "x-sluice-fallback" not in waits.result().headers

@@ -35,7 +35,7 @@ from plugins.admission.config import (
     Class,
     TenantClasses,
 )
-from plugins.admission.propagation import TIER_HEADER, fields_by_class, served_tier
+from plugins.admission.propagation import PROPAGATED, TIER_HEADER, fields_by_class, served_tier
 from plugins.admission.queue import Full, Gate
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class Admission:
             cls = self._asked(ex, self.tenants.get(ex.tenant, self.anyone), asked)
         ex.labels[LABEL] = cls.name
         fields = self.fields[cls.rank]
-        if fields is not None:
+        if fields is not None and ex.endpoint in PROPAGATED:
             ex.upstream_fields = fields
         targets = ex.targets
         if background or ex.resource or not targets:

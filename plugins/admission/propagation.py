@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 TIER_HEADER = b"x-sluice-service-tier"
 TIERED = frozenset({"openai", "azure"})  # the kinds that have `service_tier`
+# The endpoints whose bodies take the fields (OpenAI refuses `service_tier` on embeddings and legacy completions).
+PROPAGATED = frozenset({"chat/completions", "responses"})
 SERVED = re.compile(rb'"service_tier"\s*:\s*"([A-Za-z0-9_-]{1,32})"')
 
 Fields = Mapping[str, Mapping[str, Any]]  # backend -> the fields added to its body

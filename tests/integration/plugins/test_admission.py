@@ -170,6 +170,15 @@ def test_the_class_goes_upstream_as_service_tier(gateway: RunningGateway, upstre
     plain = post(gateway, STD, "plain")
     assert "service_tier" not in upstream.requests[-1].json
     assert "x-sluice-service-tier" not in plain.headers
+    # Embeddings have no service tier at OpenAI (it refuses the field): the body goes as the client sent it.
+    embedded = httpx.post(
+        f"{gateway.base_url}/embeddings",
+        json={"model": "chat", "input": "text"},
+        headers={"authorization": f"Bearer {TOP}"},
+        timeout=30,
+    )
+    assert embedded.status_code == 200
+    assert upstream.requests[-1].json == {"model": "sim", "input": "text"}
 
 
 def test_a_sheddable_class_is_refused_and_the_top_class_waits(upstream: ScriptedUpstream) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from gateway.settings import ModelSettings
     from gateway.upstream.providers.base import Provider
 
@@ -37,7 +39,7 @@ class Exchange:
     index: dict[bytes, bytes] | None = None  # name -> first value, made by the first header() call
     tenant = "anonymous"
     served: Target | None = None
-    fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge
+    fallback: str | None = None  # why the first target did not serve: slo|deadline|error|hedge|loading|overload
     hedge_after_ms: float | None = None  # set by a routing plugin to race the next target
     hedged = False
     traceparent: bytes | None = None
@@ -47,6 +49,9 @@ class Exchange:
     routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)
     overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
     rejected_by: str | None = None  # the plugin that refused the request, if one did
+    # Fields a plugin adds to the upstream body, per backend name (the admission plugin: vLLM's `priority`,
+    # OpenAI's `service_tier`); None, the default, sends the client's body as it came.
+    upstream_fields: Mapping[str, Mapping[str, Any]] | None = None
 
     def __init__(
         self,

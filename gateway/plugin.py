@@ -54,6 +54,7 @@ BUILTIN = {
     "cache": "plugins.cache:Cache",
     "slo": "plugins.slo:Slo",
     "semantic_cache": "plugins.semantic_cache:SemanticCache",
+    "admission": "plugins.admission:Admission",
 }
 # Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
 # add_arguments(parser) and main(args) -> exit code, imported only when its command runs.

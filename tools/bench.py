@@ -13,8 +13,9 @@ Scenarios (`--scenario NAME[,NAME...]`, `all` for every one): `core` (the bare g
 export at two sample ratios), `full` (every stage on at once, every request a cache miss), and, with processes
 of their own (bench_scale), `workers` (one worker against two) and `streams` (10,000 streams in one); `routing`
 (the route policies over simulated replicas, bench_routing) and `instructions` (instructions per request under
-callgrind, bench_instructions) and `websocket` (the Responses API over WebSocket against HTTP, bench_websocket)
-are not in `all`. This module parses the command line
+callgrind, bench_instructions), `websocket` (the Responses API over WebSocket against HTTP, bench_websocket)
+and `overload` (priority classes over overloaded simulated replicas, bench_overload) are not in `all`. This module
+parses the command line
 and runs them in order; the load is in bench_load, the processes in bench_fleet and bench_rig, each scenario
 in its own module, the page in bench_report.
 """
@@ -49,7 +50,9 @@ REAL = "real"
 # The Responses API over WebSocket against HTTP, with its own simulated upstream and gateway
 # (tools/bench_websocket.py); not part of `all`.
 WEBSOCKET = "websocket"
-EXTRA = (ROUTING, INSTRUCTIONS, REAL, WEBSOCKET)
+# Priority classes under 2x overload of simulated replicas (tools/bench_overload.py); not part of `all`.
+OVERLOAD = "overload"
+EXTRA = (ROUTING, INSTRUCTIONS, REAL, WEBSOCKET, OVERLOAD)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -165,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME[,NAME...]",
         help=f"what to measure: {', '.join(SCENARIOS)}, or all (default core); {ROUTING}: the route policies; "
         f"{INSTRUCTIONS}: instructions per request under callgrind; {REAL}: routing and core against real llama.cpp "
-        "servers",
+        f"servers; {OVERLOAD}: priority classes over simulated replicas at 2x their capacity",
     )
     parser.add_argument("--config", help=f"the core gateway's config (default bench/{CORE_CONFIG})")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown report to PATH")
@@ -201,6 +204,14 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
 
         status = bench_instructions.main(options.preset, options.command, options.write)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != INSTRUCTIONS))
+        if not options.scenarios or status:
+            return status
+    if OVERLOAD in options.scenarios:
+        from tools import bench_overload
+
+        seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
+        status = bench_overload.main(seconds)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != OVERLOAD))
         if not options.scenarios or status:
             return status
     if REAL in options.scenarios:

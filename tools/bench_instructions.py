@@ -7,13 +7,15 @@ under `valgrind --tool=callgrind --instr-atstart=no` (counting off while it star
 misses, `concurrency` in flight, then off again and the count dumped. The helpers (the simulated upstream,
 Redis, the OTLP sink) and this load client run natively, outside the count.
 
-Configurations: bare (no plugins), each stage added alone (auth, rate_limit, cache, slo, tracing at 0.1), and
-every stage on (`full`); and `messages`: the bare gateway sent the same requests on Anthropic's Messages API,
-so that the translation's cost is its own line. Each gateway is started from this source tree's own directory
-(`python -m` puts the working directory first on `sys.path`, so a gateway started elsewhere would run whatever
-tree is there), and the harness checks where it runs before it counts.
+Configurations: bare (no plugins), each stage added alone (auth, rate_limit, cache, slo, tracing at 0.1,
+admission with a capacity never reached), every stage but admission on (`full`); and `messages`: the bare gateway
+sent the same requests on Anthropic's Messages API, so that the translation's cost is its own line. Each gateway
+is started from this source tree's own directory (`python -m` puts the working directory first on `sys.path`, so
+a gateway started elsewhere would run whatever tree is there), and the harness checks where it runs before it
+counts.
 
-The CI budget (tests/integration/gateway/test_budget.py, bench/budget.toml) counts bare and full the same way.
+The CI budget (tests/integration/gateway/test_budget.py, bench/budget.toml) counts bare, full and bare with
+admission the same way.
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ from tools.bench_load import CLIENT_LIMITS, JSON_HEADERS, Workload, send_all, un
 T = TypeVar("T")
 NAME = "instructions"
 TREE = Path(__file__).resolve().parents[1]  # the source tree whose gateway is counted
-STAGES = ("auth", "rate_limit", "cache", "slo", "tracing")
-PLUGINS = ("auth", "rate_limit", "cache", "slo")  # in the order the pipeline runs them
+STAGES = ("auth", "rate_limit", "cache", "slo", "tracing", "admission")
+PLUGINS = ("auth", "rate_limit", "cache", "slo", "admission")  # in the order the pipeline runs them
 BARE: tuple[str, ...] = ()
-FULL = STAGES
+FULL = STAGES[:5]  # the stages every request of a typical deployment passes (admission has its own line)
+ADMISSION = ("admission",)
 # Each configuration's stages: bare, each stage added alone, every stage on; and `messages`, the bare gateway
 # sent the same prompts as Anthropic Messages requests (translated to chat completions and back).
 MESSAGES = "messages"
@@ -126,6 +129,9 @@ def gateway_config(stages: Sequence[str], ports: dict[str, int], key_hash: str) 
         config["redis"] = {"url": f"redis://127.0.0.1:{ports['redis']}/0"}
     if "cache" in stages:
         config["cache"] = {"mode": "always"}  # every request below is a prompt never sent before: a miss
+    if "admission" in stages:
+        # A capacity far above the load: every request classified and through the gate, none ever waits.
+        config["admission"] = {"backends": {"fast": {"max_in_flight": 100_000}}}
     if "tracing" in stages:
         config["telemetry"] = {"otlp_endpoint": f"http://127.0.0.1:{ports['sink']}", "sample_ratio": 0.1}
     return config

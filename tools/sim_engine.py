@@ -2,8 +2,9 @@
 
 What it models, per replica (see docs/simulator.md for the figures behind the defaults):
 
-- a batch of at most `max_batch` running requests; the rest wait in FIFO order and are admitted as running
-  ones finish or their clients leave;
+- a batch of at most `max_batch` running requests; the rest wait and are admitted as running ones finish or
+  their clients leave, by the request's `priority` (lower first, as vLLM's `--scheduling-policy priority`
+  does; 0 when the body has none), then in arrival order;
 - a prefix cache: the prompt (`chat_tokens`) is cut into blocks of `block_tokens` tokens, each block's hash
   chained to the previous one's, so a conversation's next turn shares its leading blocks with the turn before.
   The cache is an LRU of `cache_blocks` block hashes, a prompt's tail evicted before its head. As in vLLM,
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,7 +88,8 @@ class Engine:
         self.replica = replica
         self.stats = Stats()
         self.running = 0
-        self.waiting: deque[asyncio.Future[None]] = deque()
+        self.waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap: (priority, arrival, turn)
+        self.arrivals = 0
         self.blocks: OrderedDict[bytes, None] = OrderedDict()
         self.kv_blocks = 0  # blocks held by running requests, for the cache-usage gauge
         self.queries = 0  # prompt tokens looked up in the prefix cache
@@ -96,8 +99,8 @@ class Engine:
         self.generation_tokens = 0
         self.finished = 0
 
-    def generation(self, tokens: list[str], count: int) -> Generation:
-        return Generation(self, tokens, count)
+    def generation(self, tokens: list[str], count: int, priority: int = 0) -> Generation:
+        return Generation(self, tokens, count, priority)
 
     def hashes(self, tokens: list[str], known: list[bytes] | None = None) -> list[bytes]:
         """The chained hash of every full block of `tokens`; `known`: those of its first blocks, already hashed."""
@@ -134,17 +137,20 @@ class Engine:
 
     # Batch and queue
 
-    async def admit(self) -> None:
+    async def admit(self, priority: int = 0) -> None:
         if self.running < self.options.max_batch and not self.waiting:
             self.running += 1
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiting.append(turn)
+        self.arrivals += 1
+        entry = (priority, self.arrivals, turn)
+        heapq.heappush(self.waiting, entry)
         try:
             await turn  # `release` counts us as running before it wakes us
         except asyncio.CancelledError:
-            if turn in self.waiting:
-                self.waiting.remove(turn)
+            if entry in self.waiting:
+                self.waiting.remove(entry)
+                heapq.heapify(self.waiting)
             elif turn.done() and not turn.cancelled():
                 self.release()
             raise
@@ -152,7 +158,7 @@ class Engine:
     def release(self) -> None:
         self.running -= 1
         while self.waiting and self.running < self.options.max_batch:
-            turn = self.waiting.popleft()
+            _, _, turn = heapq.heappop(self.waiting)
             if not turn.done():
                 self.running += 1
                 turn.set_result(None)
@@ -191,8 +197,9 @@ class Engine:
 class Generation:
     """One request's way through a replica: `async with` waits for a batch slot and holds it until the end."""
 
-    def __init__(self, engine: Engine, tokens: list[str], count: int) -> None:
+    def __init__(self, engine: Engine, tokens: list[str], count: int, priority: int = 0) -> None:
         self.engine = engine
+        self.priority = priority
         self.tokens = tokens
         self.count = count
         self.cached = 0
@@ -201,7 +208,7 @@ class Generation:
 
     async def __aenter__(self) -> Generation:
         engine = self.engine
-        await engine.admit()
+        await engine.admit(self.priority)
         self.cached, self.blocks = engine.lookup(self.tokens)
         engine.kv_blocks += self.kv_blocks
         return self
@@ -288,7 +295,9 @@ async def openai(
         return error(probe.status, probe.pieces[0]) if error else Response(probe.status, probe.pieces[0])
     if probe.tokens <= 1:
         engine.stats.warmups += 1  # what a warm-up looks like: max_tokens 1
-    generation = engine.generation(prompt_tokens(endpoint, body), probe.tokens)
+    priority = body.get("priority")
+    rank = priority if type(priority) is int else 0
+    generation = engine.generation(prompt_tokens(endpoint, body), probe.tokens, rank)
     if not probe.stream:
         async with generation:
             reply = simulate(endpoint, body, model, profile, generation.cached if report_cached else None)

@@ -298,6 +298,7 @@ class Background:
         ex.tenant = origin.tenant
         ex.targets = list(chain)
         ex.traceparent = origin.traceparent
+        ex.upstream_fields = origin.upstream_fields  # what a plugin adds upstream (its class's priority)
         recorder = Recorder(self.jobs, job, document, self.bounds, lambda: self._stop(entry, "ended"))
         outcome: Outcome | None = None
         wait_s: float | None = None

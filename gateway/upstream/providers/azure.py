@@ -60,5 +60,7 @@ class AzureProvider(HttpProvider):
         return (
             super().body(ex, target)
             if self.v1 or ex.endpoint == "responses"
-            else request_body(ex, None, self.reports_usage)
+            else request_body(
+                ex, None, self.reports_usage, None if ex.upstream_fields is None else ex.upstream_fields.get(self.name)
+            )
         )

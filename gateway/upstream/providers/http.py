@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
@@ -47,16 +48,17 @@ def tls_context(name: str, backend: RemoteBackend) -> ssl.SSLContext:
     return context
 
 
-def request_body(ex: Exchange, model: str | None, usage: bool) -> bytes:
-    """The body to send: as the client sent it, unless the model is renamed or a stream must report usage.
+def request_body(ex: Exchange, model: str | None, usage: bool, extra: Mapping[str, Any] | None = None) -> bytes:
+    """The body to send: as the client sent it, unless the model is renamed, a stream must report usage or a
+    plugin adds fields for this backend (`extra`: the request's priority).
 
     A stream is always asked for its usage (`stream_options.include_usage`), so that tokens, TPOT and the
     rate limiter's correction work for clients that did not ask; the relay hides the usage chunk from them.
     """
     inject = usage and ex.stream and not ex.include_usage
-    if model is None and not inject:
+    if model is None and not inject and extra is None:
         return ex.body
-    if model is None and "stream_options" not in ex.json:
+    if model is None and extra is None and "stream_options" not in ex.json:
         # The common case, a plain stream: one field in front of the others, no re-serialisation.
         body = ex.body if ex.body[:1] == b"{" else ex.body.lstrip()
         return STREAM_OPTIONS + memoryview(body)[1:]  # one copy, however large the prompt
@@ -67,6 +69,8 @@ def request_body(ex: Exchange, model: str | None, usage: bool) -> bytes:
     if inject:
         options = data.get("stream_options")
         data["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    if extra is not None:
+        data.update(extra)
     return orjson.dumps(data)
 
 
@@ -116,7 +120,8 @@ class HttpProvider:
 
     def body(self, ex: Exchange, target: Target) -> bytes:
         model = target.upstream_model if target.upstream_model != ex.model else None
-        return request_body(ex, model, self.reports_usage)
+        fields = ex.upstream_fields
+        return request_body(ex, model, self.reports_usage, None if fields is None else fields.get(self.name))
 
     async def start(self) -> None:
         await self.endpoints.start()

@@ -14,7 +14,18 @@ from pathlib import Path
 import pytest
 
 from tools.bench_fleet import run_loop
-from tools.bench_instructions import BARE, FULL, MESSAGES, TREE, Count, Counting, count, helpers, missing_tools
+from tools.bench_instructions import (
+    ADMISSION,
+    BARE,
+    FULL,
+    MESSAGES,
+    TREE,
+    Count,
+    Counting,
+    count,
+    helpers,
+    missing_tools,
+)
 
 BUDGET = TREE / "bench" / "budget.toml"
 # How the budget was counted (see its file): change both together.
@@ -35,6 +46,7 @@ def counted() -> list[Count]:
                 *await count("bare", BARE, fleet, COUNTING),
                 *await count("full", FULL, fleet, COUNTING),
                 *await count(MESSAGES, BARE, fleet, COUNTING),
+                *await count("admission", ADMISSION, fleet, COUNTING),
             ]
 
     return run_loop(both())

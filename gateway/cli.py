@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 
 from gateway import __version__
-from gateway.config import describe, parse, read
+from gateway.config import describe, parse, read, warnings
 from gateway.plugin import BUILTIN_COMMANDS, COMMAND_ALIASES
 from gateway.settings import ConfigError, Settings
 
@@ -67,6 +67,8 @@ def serve(args: argparse.Namespace) -> None:
     _can_listen(listen.host, listen.port)  # before the start-up summary says "listening on"
     log_config = logs.config(log.level, log.format)
     logging.config.dictConfig(log_config)
+    for line in warnings(settings):  # said once, by the process that read the config, as `sluice check` says it
+        logging.getLogger("sluice").warning("%s", line.removeprefix("warning: "))
     descriptors.log_limit(*descriptors.raise_limit())  # before uvicorn binds and forks: workers inherit it
     from gateway.app import SERVER_OPTIONS
 
@@ -121,7 +123,10 @@ def _can_listen(host: str, port: int) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    print(describe(_config(args.config)))
+    settings = _config(args.config)
+    print(describe(settings))
+    for line in warnings(settings):
+        print(line)
 
 
 def sim(args: argparse.Namespace) -> None:

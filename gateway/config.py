@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from gateway.plugin import BUILTIN, Configured, Problem, Schema, checks_of, load_class, schema_of
+from gateway.plugin import BUILTIN, Configured, Problem, Schema, advice_of, checks_of, load_class, schema_of
 from gateway.settings import ConfigError, ModelSettings, Settings, TenantSettings, references
 
 DEFAULT_PATH = Path("config/gateway.yaml")
@@ -317,3 +317,13 @@ def describe(settings: Settings) -> str:
         f"ok: {settings.source}: {len(settings.backends)} backend(s), {len(settings.models)} model(s), "
         f"{len(settings.tenants)} tenant(s), plugins: {', '.join(plugins) or 'none'}"
     )
+
+
+def warnings(settings: Settings) -> list[str]:
+    """Lines for a config that is valid but most likely not what was meant: each plugin's `advise`."""
+    said: list[str] = []
+    for spec in settings.plugins:
+        advise = advice_of(load_class(spec))
+        for path, message in advise(settings.plugin_config(spec), settings, settings.plugins):
+            said.append(f"warning: {settings.source}: {path}: {message}")
+    return said

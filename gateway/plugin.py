@@ -24,6 +24,9 @@ the plugins that must run before it. The loader (gateway/config.py) hands each p
 plugin's model and constructs the plugin with the result, a `Configured`; a part whose plugin is not
 listed is a config error, never a feature silently off. An optional `check(config, settings, listed)`
 classmethod returns further problems as (YAML path, message) pairs: cross-references the core cannot know.
+An optional `advise(config, settings, listed)` classmethod returns warnings the same way: a config that is
+valid but most likely not what was meant (auth with no key anywhere refuses every request), said by both
+`sluice check` and `sluice serve`.
 An optional `purge(config, settings, tenant, model)` classmethod removes a tenant's entries (of one model, or
 all when model is None) from what the plugin keeps outside any one process, for `sluice cache purge`; it
 returns (entries removed, a note for the operator or "").
@@ -165,6 +168,11 @@ def schema_of(cls: type[Any]) -> Schema:
 def checks_of(cls: type[Any]) -> Callable[[Configured[Any, Any, Any], Settings, Sequence[str]], Iterable[Problem]]:
     check = getattr(cls, "check", None)
     return check if callable(check) else _no_problems
+
+
+def advice_of(cls: type[Any]) -> Callable[[Configured[Any, Any, Any], Settings, Sequence[str]], Iterable[Problem]]:
+    advise = getattr(cls, "advise", None)
+    return advise if callable(advise) else _no_problems
 
 
 def _no_problems(_config: Configured[Any, Any, Any], _settings: Settings, _listed: Sequence[str]) -> Iterable[Problem]:

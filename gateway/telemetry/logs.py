@@ -50,10 +50,13 @@ class JsonFormatter(logging.Formatter):
 
 
 class SaidByTheGateway(logging.Filter):
-    """Drops uvicorn's "Cancel N running task(s)" at the end of the grace period: the gateway logs the count
-    of requests it ended itself, with what the clients got."""
+    """Drops uvicorn's "Cancel N running task(s)" at the end of the grace period (the gateway logs the count
+    of requests it ended itself, with what the clients got), and names uvicorn's lines "uvicorn"."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn says everything, its start-up lines included, under the name "uvicorn.error": shown as plain
+        # "uvicorn", so that an INFO line does not read as an error.
+        record.name = "uvicorn"
         return not str(record.msg).startswith("Cancel %s running task(s)")
 
 

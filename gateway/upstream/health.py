@@ -36,6 +36,7 @@ class Health:
         self.state = "warming"
         self.down = False  # the flag the request path reads
         self.warm = 0  # idle connections after the last warm-up or top-up
+        self.in_process = False  # the built-in simulated backend: no connections at all, so none to report
         self.error: str | None = None  # the last failure seen
         self.error_at: float | None = None  # time.time() of it
         self.changed_at = time.time()
@@ -76,7 +77,8 @@ class Health:
     def report(self) -> dict[str, Any]:
         return {
             "state": self.state,
-            "warm_connections": self.warm,
+            # null, not 0, for a backend with no connections: 0 would read as a warm-up that failed.
+            "warm_connections": None if self.in_process else self.warm,
             "since": _iso(self.changed_at),
             "last_error": self.error,
             "last_error_at": _iso(self.error_at) if self.error_at is not None else None,

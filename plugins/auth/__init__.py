@@ -97,6 +97,14 @@ class Auth:
                 if model not in settings.models:
                     yield f"tenants.{tenant}.models", f"no model named {model!r}"
 
+    @classmethod
+    def advise(
+        cls, config: Configured[AuthSection, Empty, AuthTenant], settings: Settings, listed: Sequence[str]
+    ) -> Iterable[Problem]:
+        if config.section.required and not settings.redis.url and not any(t.keys for t in config.tenants.values()):
+            # Valid, and yet every request would be a 401: keys come only from the config or from Redis.
+            yield "plugins", "auth is on with no key in any tenant and no Redis to hold keys: every request gets a 401"
+
     def __init__(self, config: Configured[AuthSection, Empty, AuthTenant], settings: Settings) -> None:
         self.required = config.section.required
         self.ttl = config.section.cache_ttl_s

@@ -98,21 +98,33 @@ def list_keys(url: str) -> None:
         print(f"sha256:{field.decode()[:8]}...  tenant={record.get('tenant')}  models={models}")
 
 
+ACTIONS: dict[str, str] = {
+    "new": "print a fresh key and its sha256 hash, for a tenant's `keys` in the config (nothing is stored)",
+    "add": "store a key's hash in Redis for a tenant, effective at once in every gateway",
+    "revoke": "remove a key from Redis; every gateway drops it within a second (pub/sub), at most the cache TTL",
+    "list": "list the keys stored in Redis: their hashes, tenants and models",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["new", "add", "revoke", "list"])
-    parser.add_argument("--tenant", help="the tenant the key belongs to (new, add: required)")
-    parser.add_argument("--key", help="the key itself (add/revoke)")
-    parser.add_argument("--hash", help="the key's sha256:... (add/revoke)")
-    parser.add_argument("--models", help="comma-separated models the key may use (add; default: all)")
-    parser.add_argument("--redis", help="Redis URL (default: redis.url from the config)")
-    parser.add_argument("-c", "--config", help="YAML config, for redis.url and the config's own keys")
+    # One sub-command per action, so that `sluice keys new --help` shows what `new` takes, not every action's options.
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{new,add,revoke,list}")
+    for action, text in ACTIONS.items():
+        sub = actions.add_parser(action, help=text, description=text)
+        if action in ("new", "add"):
+            sub.add_argument("--tenant", required=True, help="the tenant the key belongs to")
+        if action in ("add", "revoke"):
+            sub.add_argument("--key", help="the key itself")
+            sub.add_argument("--hash", help="the key's sha256:... (instead of --key)")
+        if action == "add":
+            sub.add_argument("--models", help="comma-separated models the key may use (default: all)")
+        if action != "new":
+            sub.add_argument("--redis", help="Redis URL (default: redis.url from the config)")
+            sub.add_argument("-c", "--config", help="YAML config, for redis.url and the config's own keys")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.action == "new":
-        if not args.tenant:
-            print("sluice keys new: --tenant is required (the tenant the key will belong to)", file=sys.stderr)
-            return 2
         new(args.tenant)
         return 0
     url = args.redis
@@ -134,8 +146,6 @@ def main(args: argparse.Namespace) -> int:
             return 0
         hexdigest = hex_digest(args.key, args.hash)
         if args.action == "add":
-            if not args.tenant:
-                sys.exit("sluice keys add: --tenant is required")
             models = [m for m in args.models.split(",") if m] if args.models else None
             add(url, args.tenant, hexdigest, models)
         elif not revoke(url, hexdigest):

@@ -107,6 +107,7 @@ class SimulatedProvider:
     def __init__(self, profile: Profile, name: str = "simulated") -> None:
         self.profile = profile
         self.health = Health(name)
+        self.health.in_process = True
         self.stored: OrderedDict[str, tuple[dict[str, Any], list[Any]]] = OrderedDict()
 
     async def start(self) -> None:

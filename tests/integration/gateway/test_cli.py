@@ -143,7 +143,11 @@ def test_version_and_help_for_every_flag() -> None:
 def test_keys_say_what_they_did_or_could_not(tmp_path: Path, redis_server: RedisServer) -> None:
     refused = sluice("keys", "new")
     assert refused.returncode == 2
-    assert "--tenant is required" in refused.stderr
+    assert "required: --tenant" in refused.stderr
+    helped = sluice("keys", "new", "--help")  # its own options, not every action's
+    assert helped.returncode == 0
+    assert "--tenant" in helped.stdout
+    assert "--redis" not in helped.stdout
     made = sluice("keys", "new", "--tenant", "acme")
     assert made.returncode == 0
     assert "tenant: acme" in made.stdout
@@ -167,3 +171,24 @@ def test_keys_say_what_they_did_or_could_not(tmp_path: Path, redis_server: Redis
     gone = sluice("keys", "revoke", "--redis", redis_server.url, "--key", other)
     assert gone.returncode == 0
     assert gone.stdout.startswith("revoked sha256:")
+
+
+def test_auth_with_no_key_anywhere_is_a_warning_from_check_and_serve(tmp_path: Path) -> None:
+    """Valid, yet every request would be a 401: both commands say so, in the same words, and neither refuses it."""
+    text = SIM + "plugins: [auth]\n"
+    path = tmp_path / "auth.yaml"
+    path.write_text(text)
+    result = sluice("check", "-c", str(path))
+    assert result.returncode == 0, result.stderr
+    warning = (
+        f"{path}: plugins: auth is on with no key in any tenant and no Redis to hold keys: every request gets a 401"
+    )
+    assert result.stdout.splitlines()[1:] == [f"warning: {warning}"]
+    with gateway_process(text, tmp_path) as gw:
+        assert "every request gets a 401" in gw.log_text()
+    # With a key in a tenant, nothing to say.
+    keyed = SIM + f"tenants: {{a: {{keys: ['{new_key()[1]}']}}}}\nplugins: [auth]\n"
+    path.write_text(keyed)
+    result = sluice("check", "-c", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1, result.stdout

@@ -111,7 +111,7 @@ plugins: [auth]
     assert "plugins: auth" in messages
     assert f"redis: 127.0.0.1:{redis_server.port}/0 reachable" in messages
     assert f"listening on http://127.0.0.1:{gw.port}" in messages
-    assert any(e["logger"] == "uvicorn.error" and "Uvicorn running" in e["message"] for e in entries)
+    assert any(e["logger"] == "uvicorn" and "Uvicorn running" in e["message"] for e in entries)
     assert BACKEND_KEY not in text
     assert CLIENT_KEY not in text
 

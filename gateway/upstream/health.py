@@ -25,6 +25,7 @@ class Health:
         "down",
         "error",
         "error_at",
+        "in_process",
         "name",
         "pool_exhausted",
         "state",

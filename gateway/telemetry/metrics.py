@@ -104,9 +104,10 @@ NO_USAGE: dict[str, Any] = {}  # never changed
 
 
 # One request's values as record() keeps them: (status, duration, ttft, tpot, upstream, overhead in ms, input
-# tokens, output tokens). A histogram's None is no observation (overhead: 0 or less is none); token counts are
-# as the usage reported them, if at all, and only positive integers count.
-Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any]
+# tokens, output tokens, input tokens the provider served from its prompt cache). A histogram's None is no
+# observation (overhead: 0 or less is none); token counts are as the usage reported them, if at all, and only
+# positive integers count.
+Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any, Any]
 SECONDS = (1000.0).__rtruediv__  # ms -> ms / 1000.0, in C
 KEEP = (  # per histogram of HISTOGRAMS: which of a column's values it observes, tested in C
     partial(is_not, None),
@@ -142,11 +143,11 @@ class Series:
     def observe_traced(self, row: Row, exemplar: dict[str, str]) -> Row:
         """A request with an exemplar (its trace id): its observations put on their buckets with it at once, and
         the rest of its row (status, tokens) returned to wait."""
-        status, duration, ttft, tpot, upstream, overhead, prompt, completion = row
+        status, duration, ttft, tpot, upstream, overhead, prompt, completion, cached = row
         for name, keep, ms in zip(HISTOGRAMS, KEEP, (duration, ttft, tpot, upstream, overhead), strict=True):
             if ms is not None and keep(ms):
                 self._child(name).observe(ms / 1000.0, exemplar)
-        return (status, None, None, None, None, 0.0, prompt, completion)
+        return (status, None, None, None, None, 0.0, prompt, completion, cached)
 
     def flush(self) -> None:
         """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
@@ -154,7 +155,7 @@ class Series:
         rows = self.rows
         if not rows:
             return
-        statuses, *observed, prompts, completions = zip(*rows, strict=True)
+        statuses, *observed, prompts, completions, cached = zip(*rows, strict=True)
         rows.clear()
         for name, keep, column in zip(HISTOGRAMS, KEEP, observed, strict=True):
             values = list(map(SECONDS, filter(keep, column)))
@@ -167,7 +168,7 @@ class Series:
                 label = str(status) if status else CLIENT_CLOSED
                 child = children[status] = self.metrics.requests.labels(*self.labels, label)
             child.inc(n)
-        for direction, column in (("input", prompts), ("output", completions)):
+        for direction, column in (("input", prompts), ("output", completions), ("cached", cached)):
             n = tokens(column)
             if n:
                 child = children.get(direction)
@@ -273,7 +274,8 @@ class Metrics:
         )
         self.tokens = Counter(
             "sluice_tokens_total",
-            "Tokens reported in upstream usage, by direction (input or output).",
+            "Tokens reported in upstream usage, by direction (input, output; cached: input served from the provider's "
+            "prompt cache).",
             (*names[:4], "direction"),
             registry=registry,
         )
@@ -365,6 +367,7 @@ class Metrics:
             series = self._series(ex, key)
         status = outcome.status
         usage = outcome.usage or NO_USAGE
+        details = usage.get("prompt_tokens_details")  # OpenAI's and vLLM's: {"cached_tokens": N}
         ok = status < 400  # an error body is no first token
         row: Row = (
             status,
@@ -375,6 +378,7 @@ class Metrics:
             ex.overhead_ms,
             usage.get("prompt_tokens"),
             usage.get("completion_tokens"),
+            details.get("cached_tokens") if details.__class__ is dict else None,
         )
         # Exemplars only where they can be shown: the multiprocess files do not keep them.
         if trace_id is not None and self.exemplars:

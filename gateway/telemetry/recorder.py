@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from gateway.plugin import schema_of
 from gateway.telemetry import tracecontext
+from gateway.telemetry.console import Ring
 from gateway.telemetry.metrics import Meter, Metrics
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class Telemetry:
         self.meter = Meter(self.metrics)
         self.tracing_enabled = tracecontext.enabled(settings.telemetry)
         self.tracing: Tracing | None = None
+        console = settings.admin.console
+        self.ring = Ring(console.requests, console.max_bytes) if console.enabled else None
 
     async def start(self) -> None:
         """Start the span export thread: per process, after any fork, as the SDK advises; and metrics sharing."""
@@ -98,6 +101,9 @@ class Telemetry:
         trace_id = self.tracing.record(ex, outcome) if self.tracing is not None else None
         total_ms = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
         self.metrics.record(ex, outcome, total_ms, trace_id)
+        ring = self.ring
+        if ring is not None:  # the console's memory: one tuple of references (telemetry/console.py)
+            ring.record(ex, outcome, total_ms)
 
     def rejected(self, status: int) -> None:
         """A request refused before it was routed (bad JSON, unknown model, too large): counted, not traced."""

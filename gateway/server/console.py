@@ -83,7 +83,7 @@ class Console:
                 rows.append(console.summary(entry))
                 if len(rows) >= limit:
                     break
-        return {"kept": len(ring.entries), "capacity": ring.size, "requests": rows}
+        return {"kept": len(ring), "capacity": ring.size, "requests": rows}
 
     def request(self, request: Request, runtime: Runtime) -> Any:
         rid = request.path_params["rid"]

@@ -6,7 +6,7 @@ formatted, nothing copied. Everything the page shows (a filtered list, one reque
 tenant and model, cache shares) is computed when the page asks, off the request path.
 
 Bounded twice: at most `requests` entries, and at most `max_bytes` by an allowance per entry (ENTRY_BYTES, a
-request's entry with its referenced timings, attempts, labels and usage as a gateway keeps them; a unit test
+request's record with its referenced timings, attempts, labels and outcome as a gateway keeps them; a unit test
 measures a large one against it).
 """
 
@@ -22,40 +22,42 @@ if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Outcome
 
-ENTRY_BYTES = 4096  # the allowance per entry that max_bytes is divided by
+ENTRY_BYTES = 6144  # the allowance per entry that max_bytes is divided by
+ERROR_CHARS = 512  # of an error's text shown
 # The stages whose time is the upstream's rather than the gateway's (overhead = total to head - these).
 UPSTREAM_STAGES = frozenset({"pool", "upstream"})
-# (wall time, request id, tenant, model, served model, backend, endpoint, status, stream, total, ttft, tpot,
-#  overhead, upstream, timings, attempts, fallback, labels, routed, usage, error)
+# What the views read, made from a kept record when they ask: (wall time, request id, tenant, model, served
+# model, backend, endpoint, status, stream, total, ttft, tpot, overhead, upstream, timings, attempts, fallback,
+# labels, routed, usage, error).
 Entry = tuple[Any, ...]
 T, RID, TENANT, MODEL, SERVED, BACKEND, DOOR, STATUS, STREAM, TOTAL, TTFT, TPOT = range(12)
 OVERHEAD, UPSTREAM, TIMINGS, ATTEMPTS, FALLBACK, LABELS, ROUTED, USAGE, ERROR = range(12, 21)
 
 
 class Ring:
-    """The last requests of this process, newest last."""
+    """The last requests of this process, newest last.
+
+    What is kept per request is what the request already holds, as references (its outcome whole, since the
+    views read five of its fields): callgrind counts the append at about 2k instructions a request
+    (docs/benchmarks.md). The arrival time stays a perf_counter reading, put on the wall clock when read.
+    """
 
     def __init__(self, requests: int, max_bytes: int) -> None:
         self.size = max(1, min(requests, max_bytes // ENTRY_BYTES))
-        self.entries: deque[Entry] = deque(maxlen=self.size)
-        self.append = self.entries.append  # one bound method, looked up once
+        self.records: deque[tuple[Any, ...]] = deque(maxlen=self.size)
+        self.append = self.records.append  # one bound method, looked up once
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float) -> None:
-        served = ex.served
         self.append(
             (
-                time.time(),
+                ex.started,
                 ex.request_id,
                 ex.tenant,
                 ex.model,
-                served.model if served is not None else None,
-                served.backend if served is not None else None,
+                ex.served,
                 ex.endpoint,
-                outcome.status,
                 ex.stream,
                 total_ms,
-                outcome.ttft_ms,
-                outcome.tpot_ms,
                 ex.overhead_ms,
                 ex.upstream_ms,
                 ex.timings,
@@ -63,16 +65,42 @@ class Ring:
                 ex.fallback,
                 ex.labels,
                 ex.routed,
-                outcome.usage,
-                outcome.error,
+                outcome,
             )
         )
 
-    def extend(self, entries: Iterable[Entry]) -> None:
-        self.entries.extend(entries)
+    def __len__(self) -> int:
+        return len(self.records)
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(list(self.entries))  # a copy: the deque may grow while a view iterates
+        """The kept requests as the views read them, oldest first (from a copy: the deque may grow meanwhile)."""
+        wall = time.time() - time.perf_counter()  # perf_counter reading -> wall time, now
+        for started, rid, tenant, model, served, door, stream, total, overhead, upstream, *rest in list(self.records):
+            timings, attempts, fallback, labels, routed, outcome = rest
+            error = outcome.error
+            yield (
+                started + wall + total / 1000.0,  # when it ended
+                rid,
+                tenant,
+                model,
+                served.model if served is not None else None,
+                served.backend if served is not None else None,
+                door,
+                outcome.status,
+                stream,
+                total,
+                outcome.ttft_ms,
+                outcome.tpot_ms,
+                overhead,
+                upstream,
+                timings,
+                attempts,
+                fallback,
+                labels,
+                routed,
+                outcome.usage,
+                error[:ERROR_CHARS] if error is not None else None,
+            )
 
 
 def matches(entry: Entry, query: Mapping[str, str]) -> bool:

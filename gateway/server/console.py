@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 1000  # requests one list answer carries, newest first
 MAX_MINUTES = 60.0
+FILTERS = ("tenant", "model", "status", "door", "slow_ms", "id")  # what telemetry/console.py's `matches` reads
 # The gauges the console shows beside /status: each model's SLO state, each endpoint in or out of service.
 GAUGES = ("sluice_slo_state", "sluice_endpoint_up", "sluice_backend_loading")
 
@@ -60,50 +61,50 @@ class Console:
         headers = {"cache-control": "no-store", "content-security-policy": CSP}
         return Response(self.html, media_type="text/html; charset=utf-8", headers=headers)
 
-    def guarded(self, view: Callable[[Request, Runtime], Any]) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(self, view: Callable[[Request, Runtime], Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             if not self.allowed(request):
                 return self.unauthorized(request)
             runtime = self.runtime()
             if runtime is None or runtime.telemetry.ring is None:
                 return _json({"error": "the console is off (admin.console.enabled) or the gateway is starting"}, 503)
-            body = view(request, runtime)
+            body = await view(request, runtime)
             return body if isinstance(body, Response) else _json(body)
 
         return endpoint
 
-    def requests(self, request: Request, runtime: Runtime) -> dict[str, Any]:
+    async def requests(self, request: Request, runtime: Runtime) -> dict[str, Any]:
         query = request.query_params
         limit = min(_int(query.get("limit"), 200), MAX_ROWS)
+        filters = {key: query[key] for key in FILTERS if query.get(key)}
+        found = await runtime.telemetry.recent({"view": "requests", "filters": filters, "limit": limit})
+        found.sort(key=lambda entry: entry[console.T], reverse=True)  # several workers' lists, merged
         ring = runtime.telemetry.ring
         assert ring is not None
-        rows = []
-        for entry in reversed(list(ring)):
-            if console.matches(entry, query):
-                rows.append(console.summary(entry))
-                if len(rows) >= limit:
-                    break
-        return {"kept": len(ring), "capacity": ring.size, "requests": rows}
+        workers = "every worker" if runtime.telemetry.peers is not None else "this process"
+        rows = [console.summary(entry) for entry in found[:limit]]
+        return {"kept": len(ring), "capacity": ring.size, "from": workers, "requests": rows}
 
-    def request(self, request: Request, runtime: Runtime) -> Any:
+    async def request(self, request: Request, runtime: Runtime) -> Any:
         rid = request.path_params["rid"]
+        found = await runtime.telemetry.recent({"view": "request", "id": rid})
+        if found:
+            return console.waterfall(max(found, key=lambda entry: entry[console.T]))
         ring = runtime.telemetry.ring
         assert ring is not None
-        for entry in reversed(list(ring)):
-            if entry[console.RID] == rid:
-                return console.waterfall(entry)
         return _json({"error": f"request {rid} is not among the last {ring.size} requests"}, 404)
 
-    def percentiles(self, request: Request, runtime: Runtime) -> dict[str, Any]:
+    async def percentiles(self, request: Request, runtime: Runtime) -> dict[str, Any]:
         minutes = min(max(_float(request.query_params.get("minutes"), 5.0), 0.1), MAX_MINUTES)
         since = time.time() - minutes * 60.0
         step = max(minutes * 60.0 / 30.0, 1.0)  # thirty points on the chart
-        ring = runtime.telemetry.ring
-        assert ring is not None
-        entries = list(ring)
+        entries = await runtime.telemetry.recent({"view": "window", "since": since})
         return {**console.percentiles(entries, since, step), "shares": console.shares(entries, since)}
 
-    def state(self, _: Request, runtime: Runtime) -> dict[str, Any]:
+    async def state(self, _: Request, runtime: Runtime) -> dict[str, Any]:
+        return self._state(runtime)
+
+    def _state(self, runtime: Runtime) -> dict[str, Any]:
         gauges: dict[str, list[dict[str, Any]]] = {name: [] for name in GAUGES}
         for family in runtime.telemetry.metrics.registry.collect():
             if family.name in gauges:

@@ -7,12 +7,14 @@ only the last N.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.gateway import RunningGateway, free_port, gateway_thread
+from tests.support.gateway import RunningGateway, free_port, gateway_process, gateway_thread, wait_ready
 from tests.support.wait import wait_until
 
 BASE = """
@@ -162,3 +164,37 @@ def test_the_console_follows_the_admin_routes_access_rules() -> None:
         assert gw.app is not None
         assert gw.app.runtime is not None
         assert gw.app.runtime.telemetry.ring is None
+
+
+def test_with_workers_every_poll_shows_every_workers_requests(tmp_path: Path) -> None:
+    """`--workers 2`: requests on new connections spread over both workers; every poll, whichever worker the kernel
+    gives it to, lists them all and finds each one's waterfall."""
+    port = free_port()
+    with gateway_process(BASE + f"admin: {{port: {port}}}\n", tmp_path, "--workers", "2") as gw:
+        admin = f"http://127.0.0.1:{port}"
+        wait_ready(admin)
+        sent = []
+        for _ in range(8):
+            with httpx.Client() as client:  # a new connection each: the kernel picks a worker for each
+                body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+                response = client.post(gw.base_url + "/chat/completions", json=body)
+                assert response.status_code == 200
+                sent.append(response.headers["x-request-id"])
+
+        def listed() -> set[str]:
+            with httpx.Client() as client:  # a new connection: any worker may answer
+                rows = client.get(admin + "/console/api/requests").json()
+            assert rows["from"] == "every worker"
+            return {row["id"] for row in rows["requests"]}
+
+        wait_until(lambda: listed() == set(sent), 10.0, interval=0.05, what="every request listed")
+        for rid in sent:
+            for _ in range(3):
+                with httpx.Client() as client:
+                    found = client.get(f"{admin}/console/api/requests/{rid}")
+                assert found.status_code == 200, found.text
+                assert found.json()["id"] == rid
+            assert listed() == set(sent)
+        with httpx.Client() as client:
+            table = client.get(admin + "/console/api/percentiles").json()["table"]
+        assert [row["requests"] for row in table] == [8]

@@ -10,6 +10,7 @@ locked, and the proxy routes never wait on it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -99,7 +100,7 @@ class Console:
         since = time.time() - minutes * 60.0
         step = max(minutes * 60.0 / 30.0, 1.0)  # thirty points on the chart
         entries = await runtime.telemetry.recent({"view": "window", "since": since})
-        return {**console.percentiles(entries, since, step), "shares": console.shares(entries, since)}
+        return await asyncio.to_thread(window, entries, since, step)  # the loop serves requests meanwhile
 
     async def state(self, _: Request, runtime: Runtime) -> dict[str, Any]:
         return self._state(runtime)
@@ -117,6 +118,10 @@ class Console:
 
 # The page's own policy: its inline script and style only, data from this origin, nothing from elsewhere.
 CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:"
+
+
+def window(entries: list[console.Entry], since: float, step: float) -> dict[str, Any]:
+    return {**console.percentiles(entries, since, step), "shares": console.shares(entries, since)}
 
 
 def _json(body: Any, status: int = 200) -> Response:

@@ -72,35 +72,49 @@ class Ring:
     def __len__(self) -> int:
         return len(self.records)
 
+    def snapshot(self) -> Snapshot:
+        """The kept records as they are now (a copy made in C, so that the views can read it in a thread while
+        the ring goes on), with what puts their perf_counter readings on the wall clock."""
+        return list(self.records), time.time() - time.perf_counter()
+
     def __iter__(self) -> Iterator[Entry]:
-        """The kept requests as the views read them, oldest first (from a copy: the deque may grow meanwhile)."""
-        wall = time.time() - time.perf_counter()  # perf_counter reading -> wall time, now
-        for started, rid, tenant, model, served, door, stream, total, overhead, upstream, *rest in list(self.records):
-            timings, attempts, fallback, labels, routed, outcome = rest
-            error = outcome.error
-            yield (
-                started + wall + total / 1000.0,  # when it ended
-                rid,
-                tenant,
-                model,
-                served.model if served is not None else None,
-                served.backend if served is not None else None,
-                door,
-                outcome.status,
-                stream,
-                total,
-                outcome.ttft_ms,
-                outcome.tpot_ms,
-                overhead,
-                upstream,
-                timings,
-                attempts,
-                fallback,
-                labels,
-                routed,
-                outcome.usage,
-                error[:ERROR_CHARS] if error is not None else None,
-            )
+        return entries(self.snapshot())
+
+
+Snapshot = tuple[list[tuple[Any, ...]], float]
+
+
+def entries(snapshot: Snapshot, newest_first: bool = False) -> Iterator[Entry]:
+    """The records of a snapshot as the views read them, oldest first (or newest first)."""
+    records, wall = snapshot
+    for started, rid, tenant, model, served, door, stream, total, overhead, upstream, *rest in (
+        reversed(records) if newest_first else records
+    ):
+        timings, attempts, fallback, labels, routed, outcome = rest
+        error = outcome.error
+        yield (
+            started + wall + total / 1000.0,  # when it ended
+            rid,
+            tenant,
+            model,
+            served.model if served is not None else None,
+            served.backend if served is not None else None,
+            door,
+            outcome.status,
+            stream,
+            total,
+            outcome.ttft_ms,
+            outcome.tpot_ms,
+            overhead,
+            upstream,
+            timings,
+            attempts,
+            fallback,
+            labels,
+            routed,
+            outcome.usage,
+            error[:ERROR_CHARS] if error is not None else None,
+        )
 
 
 def matches(entry: Entry, query: Mapping[str, str]) -> bool:

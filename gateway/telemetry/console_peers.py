@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from gateway.telemetry.console import ATTEMPTS, RID, ROUTED, TIMINGS, Entry, Ring, matches
+from gateway.telemetry.console import ATTEMPTS, RID, ROUTED, TIMINGS, Entry, Ring, Snapshot, T, entries, matches
 from gateway.telemetry.metric_files import forget
 
 log = logging.getLogger("sluice.telemetry")
@@ -29,30 +29,39 @@ ASK_TIMEOUT_S = 1.0
 MAX_QUERY = 4096  # bytes of one question; an answer is as long as its entries
 
 
-def select(ring: Ring, question: Mapping[str, Any]) -> list[Entry]:
-    """This worker's entries for a question: {"view": "requests", "filters": {...}, "limit": n},
-    {"view": "request", "id": "..."} or {"view": "window", "since": wall time}."""
+def select(snapshot: Snapshot, question: Mapping[str, Any]) -> list[Entry]:
+    """A snapshot's entries for a question: {"view": "requests", "filters": {...}, "limit": n},
+    {"view": "request", "id": "..."} or {"view": "window", "since": wall time}. Run in a thread: it may read
+    every kept request."""
     view = question.get("view")
+    found: list[Entry] = []
     if view == "requests":
         filters = question.get("filters") or {}
         limit = int(question.get("limit") or 0)
-        found: list[Entry] = []
-        for entry in reversed(list(ring)):
+        for entry in entries(snapshot, newest_first=True):
             if matches(entry, filters):
                 found.append(entry)
                 if len(found) >= limit:
                     break
-        return found
-    if view == "request":
+    elif view == "request":
         rid = question.get("id")
-        return [entry for entry in ring if entry[RID] == rid]
-    if view == "window":
+        for entry in entries(snapshot, newest_first=True):
+            if entry[RID] == rid:
+                found.append(entry)
+                break
+    elif view == "window":
         since = float(question.get("since") or 0.0)
         # The stages, tries and endpoint are not needed for percentiles and shares: left out of what is sent.
-        return [
-            (*e[:TIMINGS], None, None, *e[ATTEMPTS + 1 : ROUTED], None, *e[ROUTED + 1 :]) for e in ring if e[0] >= since
-        ]
-    return []
+        # Records are kept in the order requests ended: the window is the newest ones.
+        for e in entries(snapshot, newest_first=True):
+            if e[T] < since:
+                break
+            found.append((*e[:TIMINGS], None, None, *e[ATTEMPTS + 1 : ROUTED], None, *e[ROUTED + 1 :]))
+    return found
+
+
+def answer(snapshot: Snapshot, question: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(select(snapshot, question))
 
 
 class Peers:
@@ -72,7 +81,7 @@ class Peers:
 
     async def gather(self, question: Mapping[str, Any]) -> list[Entry]:
         """This worker's entries and every other live worker's, for `question`."""
-        mine = select(self.ring, question)
+        mine = await asyncio.to_thread(select, self.ring.snapshot(), question)
         others = [path for path in self.path.glob("console-*.sock") if path != self.socket]
         if not others:
             return mine
@@ -100,7 +109,8 @@ class Peers:
         try:
             line = await reader.readline()
             if 0 < len(line) <= MAX_QUERY:
-                writer.write(orjson.dumps(select(self.ring, orjson.loads(line))))
+                snapshot, question = self.ring.snapshot(), orjson.loads(line)
+                writer.write(await asyncio.to_thread(answer, snapshot, question))
                 await writer.drain()
         except (OSError, orjson.JSONDecodeError, ValueError, TypeError):
             pass

@@ -10,6 +10,7 @@ not even imported, and an incoming `traceparent` is passed upstream unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -122,7 +123,7 @@ class Telemetry:
         assert self.ring is not None
         if self.peers is not None:
             return await self.peers.gather(question)
-        return select(self.ring, question)
+        return await asyncio.to_thread(select, self.ring.snapshot(), question)
 
     async def exposition(self, accept: str) -> tuple[bytes, str]:
         """A scrape: with several workers, the others are first asked for their values (telemetry/metric_files.py)."""

@@ -1,11 +1,12 @@
 """The latency console's recording cost: instructions per `Ring.record`, counted by callgrind on its own.
 
 The gateway's counts per request (tools/bench_instructions.py) swing by a few thousand instructions between
-runs with the clock-driven work around them, more than the ring costs; so the ring is counted apart, exactly:
-a Python process records prepared requests in a loop under callgrind, once with `Ring.record` and once with a
-call that does nothing, each at two loop lengths. The difference of the lengths cancels start-up; the difference
-of the two calls cancels the loop. What is left is the record itself: the tuple and the deque's append.
-Prepared requests are as the pipeline leaves a streamed chat completion (six stages, two tries, a label, usage).
+runs with the clock-driven work around them, more than the ring costs; so the ring is counted apart, to within
+a few hundred instructions: a Python process records prepared requests in a loop under callgrind, once with
+`Ring.record` and once with a call that does nothing, each at two loop lengths. The difference of the lengths
+cancels start-up; the difference of the two calls cancels the loop. What is left is the record itself: the
+tuple and the deque's append. Prepared requests are as the pipeline leaves a streamed chat completion (six
+stages, two tries, a label, usage).
 
 `python -m tools.bench_ring` prints the count; `python -m tools.bench_ring run on|off N` is the counted loop.
 """

@@ -37,8 +37,8 @@ def counted() -> list[Count]:
                 *await count("full", FULL, fleet, COUNTING),
             ]
 
-    # The console's recording, counted on its own (tools/bench_ring.py): exact, where the gateway's counts swing
-    # by more than it costs.
+    # The console's recording, counted on its own (tools/bench_ring.py): to within a few hundred instructions,
+    # where the gateway's counts swing by more than it costs.
     instructions, records = bench_ring.records()
     return [*run_loop(both()), Count("console", (), records, instructions)]
 

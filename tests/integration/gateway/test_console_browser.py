@@ -115,3 +115,23 @@ def test_a_waterfall_opens_from_its_link(browser: Any, tmp_path: Path) -> None:
         wait.until(seen.text_to_be_present_in_element((By.ID, "wf-timing"), timing))
         browser.save_screenshot(str(tmp_path / "console-link.png"))
         assert errors_of(browser) == []
+
+
+def test_with_an_admin_token_the_page_asks_for_it(browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    config = BASE + "listen: {host: 0.0.0.0}\nadmin: {token: s3cret-admin}\n"
+    with gateway_thread(config) as gw:
+        rid, _ = send(gw)
+        browser.get(gw.url + "/console")
+        wait = WebDriverWait(browser, WAIT_S)
+        wait.until(seen.visibility_of_element_located((By.ID, "token")))
+        assert "admin token" in browser.find_element(By.ID, "error").text
+        assert browser.find_elements(By.CSS_SELECTOR, "tr.req") == []  # nothing shown without it
+        browser.find_element(By.ID, "token").send_keys("s3cret-admin")
+        browser.find_element(By.ID, "tokenset").click()
+        wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, f'tr.req[data-id="{rid}"]')))
+        refused = [e for e in errors_of(browser) if "401" not in e["message"]]
+        assert refused == []  # the refusals before the token was given, and nothing else

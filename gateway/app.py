@@ -37,6 +37,7 @@ from gateway.responses.sockets import deny
 from gateway.runtime import Runtime
 from gateway.server import lifeline
 from gateway.server.admin import AdminListener
+from gateway.server.console import Console
 from gateway.server.direct import Direct, Handler
 from gateway.server.reply import send_error
 from gateway.server.request import request_id
@@ -129,8 +130,12 @@ class Gateway:
             # Claude Code's reachability check on its base URL (HEAD /api/hello), answered like Anthropic's API.
             Route("/api/hello", self.healthz, methods=["GET", "HEAD"]),
         ]
+        # The latency console (server/console.py) goes wherever /status goes, to whom it goes.
+        self.console = (
+            Console(lambda: self.runtime, self._allowed, self._unauthorized).routes() if admin.console.enabled else []
+        )
         if self.admin_here:
-            routes += [Route("/status", self.status), Route("/metrics", self.metrics)]
+            routes += [Route("/status", self.status), Route("/metrics", self.metrics), *self.console]
         self.site = Starlette(
             routes=routes,
             exception_handlers=errors_handled,  # type: ignore[arg-type]
@@ -143,6 +148,7 @@ class Gateway:
                     Route("/readyz", self.admin_readyz),
                     Route("/status", self.status),
                     Route("/metrics", self.metrics),
+                    *self.console,
                 ],
                 exception_handlers=errors_handled,  # type: ignore[arg-type]
             )
@@ -270,10 +276,11 @@ class Gateway:
                 log.error("admin: cannot listen on %s:%d: %s", admin.host, admin.port, exc.strerror or exc)
                 raise
             guarded = " (admin.token required)" if self.admin_token is not None else ""
-            log.info("admin: /status, /metrics and /readyz on http://%s:%d%s", admin.host, admin.port, guarded)
+            where = f"http://{admin.host}:{admin.port}"
+            log.info("admin: /status, /metrics, /readyz and /console on %s%s", where, guarded)
         elif self.admin_here:
             guarded = "admin.token required" if self.admin_token is not None else "open: the port is loopback"
-            log.info("admin: /status, /metrics and /readyz on the tenants' port (%s)", guarded)
+            log.info("admin: /status, /metrics, /readyz and /console on the tenants' port (%s)", guarded)
         else:
             log.warning(
                 "admin: /status and /metrics are not served on %s (not loopback): set admin.port or admin.token",

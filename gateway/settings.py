@@ -317,6 +317,15 @@ class BackgroundSettings(Strict):
     store_wait_s: float = Field(30.0, ge=0)
 
 
+class ConsoleSettings(Strict):
+    """The latency console (`/console` with the admin routes): the last `requests` requests of each process, kept
+    in at most `max_bytes`; `enabled: false` keeps nothing and serves no console."""
+
+    enabled: bool = True
+    requests: int = Field(10_000, ge=1, le=1_000_000)
+    max_bytes: int = Field(64 * 1024 * 1024, ge=65_536)
+
+
 class AdminSettings(Strict):
     """Where `/status`, `/metrics` and `/readyz`'s detail are served, and to whom (docs/operations.md, "Admin").
 
@@ -328,6 +337,7 @@ class AdminSettings(Strict):
     host: str = "127.0.0.1"
     port: int | None = Field(None, ge=1, le=65535)
     token: str = ""
+    console: ConsoleSettings = ConsoleSettings()
 
 
 class Settings(Strict):

@@ -298,6 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", metavar="S", type=float, default=60.0, help="seconds per request (default 60)")
     parser.add_argument("--json", metavar="FILE", help="write every sample, the summary and the findings here")
+    parser.add_argument("--html", metavar="FILE", help="write the breakdown as a waterfall with the diagnosis here")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -312,10 +313,15 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nsluice probe: interrupted", file=sys.stderr)
         return 130
-    sys.stdout.write(render(report))
+    text = render(report)
+    sys.stdout.write(text)
     sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report.as_json(), indent=2) + "\n")
+    if args.html:
+        from tools.probe_html import page
+
+        Path(args.html).write_text(page(report.as_json(), text))
     return 0 if report.ok else 1
 
 

@@ -10,12 +10,16 @@ not even imported, and an incoming `traceparent` is passed upstream unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from gateway.plugin import schema_of
-from gateway.telemetry import tracecontext
+from gateway.telemetry import metric_files, tracecontext
+from gateway.telemetry.console import Entry, Ring
+from gateway.telemetry.console_peers import Peers, select
 from gateway.telemetry.metrics import Meter, Metrics
 
 if TYPE_CHECKING:
@@ -73,10 +77,17 @@ class Telemetry:
         self.meter = Meter(self.metrics)
         self.tracing_enabled = tracecontext.enabled(settings.telemetry)
         self.tracing: Tracing | None = None
+        console = settings.admin.console
+        self.ring = Ring(console.requests, console.max_bytes) if console.enabled else None
+        self.peers: Peers | None = None  # with several workers: how the console reaches the others' rings
 
     async def start(self) -> None:
         """Start the span export thread: per process, after any fork, as the SDK advises; and metrics sharing."""
         await self.metrics.start()
+        shared = metric_files.directory()
+        if self.ring is not None and shared and self.peers is None:
+            self.peers = Peers(self.ring, shared)
+            await self.peers.start()
         if self.tracing_enabled and self.tracing is None:
             from gateway.telemetry.tracing import Tracing  # the OpenTelemetry SDK is imported only when tracing is on
 
@@ -98,10 +109,21 @@ class Telemetry:
         trace_id = self.tracing.record(ex, outcome) if self.tracing is not None else None
         total_ms = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
         self.metrics.record(ex, outcome, total_ms, trace_id)
+        ring = self.ring
+        if ring is not None:  # the console's memory: one tuple of references (telemetry/console.py)
+            ring.record(ex, outcome, total_ms)
 
     def rejected(self, status: int) -> None:
         """A request refused before it was routed (bad JSON, unknown model, too large): counted, not traced."""
         self.metrics.rejected(status)
+
+    async def recent(self, question: Mapping[str, Any]) -> list[Entry]:
+        """The console's entries for a question (telemetry/console_peers.py): this process's, and with several
+        workers every live worker's."""
+        assert self.ring is not None
+        if self.peers is not None:
+            return await self.peers.gather(question)
+        return await asyncio.to_thread(select, self.ring.snapshot(), question)
 
     async def exposition(self, accept: str) -> tuple[bytes, str]:
         """A scrape: with several workers, the others are first asked for their values (telemetry/metric_files.py)."""
@@ -109,6 +131,9 @@ class Telemetry:
         return self.metrics.exposition(accept)
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
         if self.tracing is not None:
             self.tracing.shutdown()
             self.tracing = None

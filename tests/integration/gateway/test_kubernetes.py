@@ -40,6 +40,51 @@ DEFAULT_GRACE_S = 30  # the gateway's shutdown.grace_s when the config leaves it
 EXIT_MARGIN_S = 5
 GATEWAY = {"app.kubernetes.io/name": "sluice", "app.kubernetes.io/component": "gateway"}
 DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+# The part of the Prometheus Operator's PrometheusRule CRD (monitoring.coreos.com/v1) that the base uses.
+PROMETHEUS_RULE = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "interval": {"type": "string", "pattern": DURATION},
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["expr"],
+                                    "properties": {
+                                        "alert": {"type": "string"},
+                                        "record": {"type": "string"},
+                                        "expr": {"type": "string"},
+                                        "for": {"type": "string", "pattern": DURATION},
+                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
 # The part of the Prometheus Operator's ServiceMonitor CRD (monitoring.coreos.com/v1) that the base uses.
 SERVICE_MONITOR = {
     "type": "object",
@@ -176,10 +221,12 @@ def test_every_object_is_valid_for_the_pinned_kubernetes(which: str, request: py
     for obj in objects:
         if obj["kind"] == "ServiceMonitor":
             jsonschema.validate(obj, SERVICE_MONITOR)
+        elif obj["kind"] == "PrometheusRule":
+            jsonschema.validate(obj, PROMETHEUS_RULE)
         else:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     expected = ["ConfigMap", "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"]
-    expected += ["Service", "ServiceMonitor"]
+    expected += ["PrometheusRule", "Service", "ServiceMonitor"]
     if which == "overlay":
         expected += ["Namespace", "Secret", "Service", "StatefulSet"]
     assert kinds == sorted(expected)
@@ -193,6 +240,10 @@ def test_the_schemas_are_strict() -> None:
     monitor = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "x"}}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(monitor | {"spec": {"selector": {}, "endpoints": [{"port": "http"}]}}, SERVICE_MONITOR)
+    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"}}
+    misspelt = {"groups": [{"name": "g", "rules": [{"alert": "A", "exp": "1"}]}]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rule | {"spec": misspelt}, PROMETHEUS_RULE)
 
 
 # -- what refers to what ------------------------------------------------------------------------------------

@@ -322,7 +322,7 @@ def test_a_valid_config_caches_every_model_but_the_embedding_model() -> None:
     plugin = SemanticCache(settings.plugin_config("semantic_cache"), settings)
     assert set(plugin.policies) == {"chat"}
     assert plugin.policies["chat"].threshold == 0.85
-    assert plugin.policies["chat"].deadline_s == 0.03
+    assert plugin.policies["chat"].deadline_s == 0.1
 
 
 async def test_a_partition_is_bounded_on_its_own_oldest_first() -> None:

@@ -573,9 +573,24 @@ def test_metrics_record_a_request(settings: Settings, upstreams: Upstreams) -> N
     assert value(found, "sluice_overhead_seconds_bucket", le="0.00025", **labels) == 0
     assert value(found, "sluice_tokens_total", direction="input", **labels) == 7
     assert value(found, "sluice_tokens_total", direction="output", **labels) == 11
+    assert value(found, "sluice_tokens_total", direction="cache_read", **labels) == 0  # the usage named none
     assert value(found, "sluice_fallbacks_total", reason="slo", served_model="chat-large") == 1
     assert value(found, "sluice_redis_failures_total") == 3
     assert value(found, "sluice_inflight_requests") == 0
+
+
+def test_metrics_count_the_providers_prompt_cache(settings: Settings, upstreams: Upstreams) -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI, vLLM) is the `cached` direction: the prompt-cache share."""
+    metrics = Metrics(settings.telemetry, settings.tenants, {"cache": "none"})
+    ex = exchange(upstreams)
+    metrics.begin(ex)
+    served(ex, upstreams)
+    outcome = finished()
+    outcome.usage = {"prompt_tokens": 1000, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 768}}
+    metrics.record(ex, outcome, 200.0, None)
+    found = samples(metrics)
+    assert value(found, "sluice_tokens_total", direction="input", model="chat-large") == 1000
+    assert value(found, "sluice_tokens_total", direction="cache_read", model="chat-large") == 768
 
 
 def test_rate_limit_rejections_and_client_gone(settings: Settings, upstreams: Upstreams) -> None:
@@ -683,6 +698,7 @@ def test_compose_runs_the_whole_stack() -> None:
 
     prometheus = services["prometheus"]
     assert "./config/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "./config/prometheus:/etc/prometheus/prometheus:ro" in prometheus["volumes"]  # its rule_files
     assert "--enable-feature=exemplar-storage" in prometheus["command"]  # exemplars link buckets to traces
 
     grafana = services["grafana"]
@@ -758,7 +774,7 @@ def test_grafana_is_provisioned_with_the_dashboard(monkeypatch: pytest.MonkeyPat
             others.append(cls(Configured(schema.section(), {}, {}), built.settings))
     for plugin in [*built.plugins, *others]:
         if plugin.name != "auth":  # its start-up subscribes to Redis; it makes no series
-            stub = cast("Runtime", SimpleNamespace(store=None, meter=built.meter))
+            stub = cast("Runtime", SimpleNamespace(store=None, meter=built.meter, upstreams=built.upstreams))
             asyncio.run(plugin.startup(stub))  # type: ignore[attr-defined]
     registry: Any = built.telemetry.metrics.registry
     exported = {

@@ -1,0 +1,314 @@
+"""The console's memory: the last N requests as they ended, and what the console's views read out of them.
+
+Recording is one tuple appended to a bounded deque in the completion task (step 6, after the client has its
+answer): references to what the request already holds (its stage timings, attempts, labels, usage), nothing
+formatted, nothing copied. Everything the page shows (a filtered list, one request's waterfall, percentiles per
+tenant and model, cache shares) is computed when the page asks, off the request path.
+
+Bounded twice: at most `requests` entries, and at most `max_bytes` by an allowance per entry (ENTRY_BYTES, a
+request's record with its referenced timings, attempts, labels and outcome as a gateway keeps them; a unit test
+measures a large one against it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.plugin import Outcome
+
+ENTRY_BYTES = 6144  # the allowance per entry that max_bytes is divided by
+ERROR_CHARS = 512  # of an error's text shown
+# The stages whose time is the upstream's rather than the gateway's (overhead = total to head - these).
+UPSTREAM_STAGES = frozenset({"pool", "upstream"})
+# What the views read, made from a kept record when they ask: (wall time, request id, tenant, model, served
+# model, backend, endpoint, status, stream, total, ttft, tpot, overhead, upstream, timings, attempts, fallback,
+# labels, routed, usage, error).
+Entry = tuple[Any, ...]
+T, RID, TENANT, MODEL, SERVED, BACKEND, DOOR, STATUS, STREAM, TOTAL, TTFT, TPOT = range(12)
+OVERHEAD, UPSTREAM, TIMINGS, ATTEMPTS, FALLBACK, LABELS, ROUTED, USAGE, ERROR = range(12, 21)
+
+
+class Ring:
+    """The last requests of this process, newest last.
+
+    What is kept per request is what the request already holds, as references (its outcome whole, since the
+    views read five of its fields): callgrind counts the append at about 2k instructions a request
+    (docs/benchmarks.md). The arrival time stays a perf_counter reading, put on the wall clock when read.
+    """
+
+    def __init__(self, requests: int, max_bytes: int) -> None:
+        self.size = max(1, min(requests, max_bytes // ENTRY_BYTES))
+        self.records: deque[tuple[Any, ...]] = deque(maxlen=self.size)
+        self.append = self.records.append  # one bound method, looked up once
+
+    def record(self, ex: Exchange, outcome: Outcome, total_ms: float) -> None:
+        self.append(
+            (
+                ex.started,
+                ex.request_id,
+                ex.tenant,
+                ex.model,
+                ex.served,
+                ex.endpoint,
+                ex.stream,
+                total_ms,
+                ex.overhead_ms,
+                ex.upstream_ms,
+                ex.timings,
+                ex.attempts,
+                ex.fallback,
+                ex.labels,
+                ex.routed,
+                outcome,
+            )
+        )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def snapshot(self) -> Snapshot:
+        """The kept records as they are now (a copy made in C, so that the views can read it in a thread while
+        the ring goes on), with what puts their perf_counter readings on the wall clock."""
+        return list(self.records), time.time() - time.perf_counter()
+
+    def __iter__(self) -> Iterator[Entry]:
+        return entries(self.snapshot())
+
+
+Snapshot = tuple[list[tuple[Any, ...]], float]
+
+
+def entries(snapshot: Snapshot, newest_first: bool = False) -> Iterator[Entry]:
+    """The records of a snapshot as the views read them, oldest first (or newest first)."""
+    records, wall = snapshot
+    for started, rid, tenant, model, served, door, stream, total, overhead, upstream, *rest in (
+        reversed(records) if newest_first else records
+    ):
+        timings, attempts, fallback, labels, routed, outcome = rest
+        error = outcome.error
+        yield (
+            started + wall + total / 1000.0,  # when it ended
+            rid,
+            tenant,
+            model,
+            served.model if served is not None else None,
+            served.backend if served is not None else None,
+            door,
+            outcome.status,
+            stream,
+            total,
+            outcome.ttft_ms,
+            outcome.tpot_ms,
+            overhead,
+            upstream,
+            timings,
+            attempts,
+            fallback,
+            labels,
+            routed,
+            outcome.usage,
+            error[:ERROR_CHARS] if error is not None else None,
+        )
+
+
+def matches(entry: Entry, query: Mapping[str, str]) -> bool:
+    """Whether an entry passes the page's filters: tenant, model (asked for or served), status (200, 5xx),
+    door (the endpoint), slow_ms (total at least), id (a prefix of the request id)."""
+    tenant = query.get("tenant")
+    if tenant and entry[TENANT] != tenant:
+        return False
+    model = query.get("model")
+    if model and model not in (entry[MODEL], entry[SERVED]):
+        return False
+    status = query.get("status", "").strip().lower()
+    if status:
+        code = str(entry[STATUS] or 499)
+        if status.endswith("xx") and code[:1] != status[:1]:
+            return False
+        if not status.endswith("xx") and code != status:
+            return False
+    door = query.get("door")
+    if door and entry[DOOR] != door:
+        return False
+    slow = _number(query.get("slow_ms"))
+    if slow is not None and entry[TOTAL] < slow:
+        return False
+    rid = query.get("id")
+    return not (rid and not entry[RID].startswith(rid))
+
+
+def summary(entry: Entry) -> dict[str, Any]:
+    """One line of the requests table."""
+    return {
+        "at": round(entry[T], 3),
+        "id": entry[RID],
+        "tenant": entry[TENANT],
+        "model": entry[MODEL],
+        "served_model": entry[SERVED],
+        "door": entry[DOOR],
+        "status": entry[STATUS] or 499,
+        "stream": entry[STREAM],
+        "total_ms": _ms(entry[TOTAL]),
+        "ttft_ms": _ms(entry[TTFT]),
+        "overhead_ms": _ms(entry[OVERHEAD]),
+        "fallback": entry[FALLBACK],
+        **{name: str(value) for name, value in entry[LABELS].items()},
+    }
+
+
+def waterfall(entry: Entry) -> dict[str, Any]:
+    """One request's stages laid end to end in the order they ran, as its server-timing and its spans have them:
+    each with its start (ms since arrival), duration and whose time it is (the gateway's or the upstream's)."""
+    stages = []
+    at = 0.0
+    pool_start: float | None = None
+    for name, ms in entry[TIMINGS]:
+        start = at
+        if name == "pool":
+            pool_start = at
+        elif name == "upstream" and pool_start is not None:
+            start = pool_start  # the upstream wait began with getting its connection
+        kind = "upstream" if name in UPSTREAM_STAGES else "gateway"
+        stages.append(
+            {"name": name, "start_ms": _ms(at), "ms": _ms(ms), "dur": dur(ms), "kind": kind, "wait_from_ms": _ms(start)}
+        )
+        at += ms
+    overhead = entry[OVERHEAD]
+    head = overhead + entry[UPSTREAM] if overhead > 0 else None
+    attempts = []
+    offset = 0.0
+    for model, ms, status in entry[ATTEMPTS]:
+        attempts.append({"model": model, "start_ms": _ms(offset), "ms": _ms(ms), "status": status or "served"})
+        offset += ms
+    usage = entry[USAGE] or {}
+    routed = entry[ROUTED]
+    marks = {"head_ms": _ms(head), "first_token_ms": _ms(entry[TTFT]), "last_byte_ms": _ms(entry[TOTAL])}
+    return {
+        **summary(entry),
+        "stages": stages,
+        "overhead_ms": _ms(overhead),
+        "overhead_dur": dur(overhead),
+        "upstream_ms": _ms(entry[UPSTREAM]),
+        "tpot_ms": _ms(entry[TPOT]),
+        "marks": marks,
+        "attempts": attempts,
+        "routed": {"endpoint": routed[0], "policy": routed[1], "score": routed[2]} if routed else None,
+        "backend": entry[BACKEND],
+        "usage": usage,
+        "error": entry[ERROR],
+        "server_timing": server_timing_text(entry),
+    }
+
+
+def server_timing_text(entry: Entry) -> str:
+    """What the response's `server-timing` said (three decimals, as the header writes them)."""
+    parts = [f"{name};dur={dur(ms)}" for name, ms in entry[TIMINGS]]
+    parts.append(f"overhead;dur={dur(entry[OVERHEAD])}")
+    return ", ".join(parts)
+
+
+def dur(ms: float) -> str:
+    """A duration as `server-timing` writes it (telemetry/recorder.py): under a millisecond rounded half up to
+    the microsecond, as its table does, else three decimals."""
+    if ms >= 0.0 and (us := int(ms * 1000.0 + 0.5)) < 1000:
+        return f"0.{us:03d}"
+    return f"{ms:.3f}"
+
+
+def percentiles(entries: Iterable[Entry], since: float, step_s: float) -> dict[str, Any]:
+    """Per tenant and model over the entries since `since` (wall time): p50, p95, p99 of TTFT, TPOT, end to end
+    and overhead; and per model, TTFT and overhead p50/p95 in steps of `step_s` for the chart."""
+    groups: dict[tuple[str, str], list[Entry]] = {}
+    steps: dict[str, dict[int, list[Entry]]] = {}
+    for entry in entries:
+        if entry[T] < since:
+            continue
+        groups.setdefault((entry[TENANT], entry[MODEL]), []).append(entry)
+        steps.setdefault(entry[MODEL], {}).setdefault(int((entry[T] - since) // step_s), []).append(entry)
+    table = []
+    for (tenant, model), members in sorted(groups.items()):
+        ok = [e for e in members if (e[STATUS] or 499) < 400]
+        table.append(
+            {
+                "tenant": tenant,
+                "model": model,
+                "requests": len(members),
+                "errors": len(members) - len(ok),
+                "ttft": _quantiles([e[TTFT] for e in ok]),
+                "tpot": _quantiles([e[TPOT] for e in ok]),
+                "e2e": _quantiles([e[TOTAL] for e in members]),
+                "overhead": _quantiles([e[OVERHEAD] for e in members if e[OVERHEAD] > 0]),
+            }
+        )
+    chart = {
+        model: [
+            {
+                "at": round(since + (i + 1) * step_s, 3),
+                "requests": len(members),
+                "ttft": _quantiles([e[TTFT] for e in members if (e[STATUS] or 499) < 400]),
+                "overhead": _quantiles([e[OVERHEAD] for e in members if e[OVERHEAD] > 0]),
+            }
+            for i, members in sorted(by_step.items())
+        ]
+        for model, by_step in sorted(steps.items())
+    }
+    return {"since": since, "step_s": step_s, "table": table, "chart": chart}
+
+
+def shares(entries: Iterable[Entry], since: float) -> dict[str, Any]:
+    """Per model since `since`: each plugin label's values as shares (the caches: hit, miss, bypass), and the
+    share of input tokens the provider served from its prompt cache."""
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    tokens: dict[str, list[int]] = {}
+    for entry in entries:
+        if entry[T] < since:
+            continue
+        model = entry[MODEL]
+        labels = counts.setdefault(model, {})
+        for name, value in entry[LABELS].items():
+            values = labels.setdefault(name, {})
+            values[str(value)] = values.get(str(value), 0) + 1
+        usage = entry[USAGE]
+        if usage:
+            prompt = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(prompt, int) and prompt > 0:
+                total = tokens.setdefault(model, [0, 0])
+                total[0] += prompt
+                total[1] += cached if isinstance(cached, int) and cached > 0 else 0
+    result: dict[str, Any] = {}
+    for model in sorted(set(counts) | set(tokens)):
+        fractions: dict[str, dict[str, float]] = {
+            name: {value: round(n / sum(values.values()), 4) for value, n in sorted(values.items())}
+            for name, values in counts.get(model, {}).items()
+        }
+        prompt_tokens, cached_tokens = tokens.get(model, (0, 0))
+        share = round(cached_tokens / prompt_tokens, 4) if prompt_tokens else None
+        result[model] = {"labels": fractions, "prompt_cache": share}
+    return result
+
+
+def _quantiles(values: list[float | None]) -> dict[str, float | None]:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return {"p50": None, "p95": None, "p99": None}
+    n = len(known)  # nearest rank: the smallest value with at least q of them at or below it
+    return {name: _ms(known[max(0, math.ceil(q * n) - 1)]) for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
+
+
+def _ms(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None

@@ -1,0 +1,98 @@
+"""The latency console's recording cost: instructions per `Ring.record`, counted by callgrind on its own.
+
+The gateway's counts per request (tools/bench_instructions.py) swing by a few thousand instructions between
+runs with the clock-driven work around them, more than the ring costs; so the ring is counted apart, to within
+a few hundred instructions: a Python process records prepared requests in a loop under callgrind, once with
+`Ring.record` and once with a call that does nothing, each at two loop lengths. The difference of the lengths
+cancels start-up; the difference of the two calls cancels the loop. What is left is the record itself: the
+tuple and the deque's append. Prepared requests are as the pipeline leaves a streamed chat completion (six
+stages, two tries, a label, usage).
+
+`python -m tools.bench_ring` prints the count; `python -m tools.bench_ring run on|off N` is the counted loop.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+from gateway.context import Exchange, Target
+from gateway.plugin import Outcome
+from gateway.server.collector import NEVER
+from gateway.telemetry.console import Ring
+
+LOOPS = (12_000, 22_000)  # both past the ring's 10,000: it is full, and each record lets the oldest go
+REQUESTS = 1000  # distinct prepared requests, recorded in turn
+COLLECTED = re.compile(rb"Collected : (\d+)")
+
+
+def prepared(i: int) -> tuple[Exchange, Outcome]:
+    body = {"model": "chat", "messages": [], "stream": True}
+    ex = Exchange(f"{i:032x}", "chat/completions", [], b"{}", body, time.perf_counter())
+    ex.served = cast(Target, SimpleNamespace(model="chat", backend="sim"))
+    ex.timings = [("parse", 0.1), ("auth", 0.01), ("rate_limit", 0.01), ("cache", 0.2), ("pool", 0.0)]
+    ex.timings.append(("upstream", 48.0))
+    ex.upstream_ms = 48.0
+    ex.overhead_ms = 0.5
+    ex.attempts = [("chat", 20.0, 503), ("chat", 28.0, 0)]
+    ex.labels = {"cache": "miss"}
+    usage = {"prompt_tokens": 10, "completion_tokens": 20}
+    return ex, Outcome(status=200, complete=True, ttft_ms=60.0, tpot_ms=5.0, total_ms=200.0, usage=usage)
+
+
+def run(mode: str, loops: int) -> None:
+    ring = Ring(10_000, 64 << 20)
+    requests = [prepared(i) for i in range(REQUESTS)]
+    # The gateway's collection schedule (server/collector.py): what exists is frozen, the oldest generation is
+    # never collected while requests run.
+    gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, NEVER)
+    record = ring.record if mode == "on" else Nothing().record
+    for i in range(loops):
+        ex, outcome = requests[i % REQUESTS]
+        record(ex, outcome, 200.0)
+
+
+class Nothing:
+    def record(self, ex: Exchange, outcome: Outcome, total_ms: float) -> None:
+        pass
+
+
+def counted(mode: str, loops: int) -> int:
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "callgrind.out"
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+        command += [sys.executable, "-m", "tools.bench_ring", "run", mode, str(loops)]
+        done = subprocess.run(command, capture_output=True, check=True, cwd=Path(__file__).resolve().parents[1])
+        found = COLLECTED.search(done.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind printed no count: {done.stderr[-500:]!r}")
+        return int(found.group(1))
+
+
+def records() -> tuple[int, int]:
+    """(instructions, records): what `records` calls of `Ring.record` add, beyond a call that does nothing."""
+    short, long = LOOPS
+    on = counted("on", long) - counted("on", short)
+    off = counted("off", long) - counted("off", short)
+    return on - off, long - short
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["run"]:
+        run(argv[1], int(argv[2]))
+        return
+    instructions, n = records()
+    print(f"Ring.record: {instructions / n:,.0f} instructions per request")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

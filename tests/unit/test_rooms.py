@@ -156,3 +156,15 @@ def test_no_plugin_imports_another_or_a_tool() -> None:
         and (e.target.startswith("tools") or (e.target.startswith("plugins.") and room(e.target) != room(e.source)))
     ]
     assert wrong == []
+
+
+def test_every_folder_of_code_is_a_package_that_says_what_it_owns() -> None:
+    """A folder of modules without `__init__.py` is left out of an installed wheel (setuptools finds packages by
+    it) and out of the import checks above; its docstring is the room's charter."""
+    for top in ("gateway", "plugins", "tools"):
+        for folder in [ROOT / top, *(p for p in (ROOT / top).rglob("*") if p.is_dir())]:
+            if folder.name == "__pycache__" or not any(folder.glob("*.py")):
+                continue
+            init = folder / "__init__.py"
+            assert init.is_file(), f"{folder.relative_to(ROOT)} has modules but no __init__.py"
+            assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"

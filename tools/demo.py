@@ -375,7 +375,6 @@ async def start_gateway(config: str, sock: socket.socket) -> tuple[EmbeddedServe
         uvicorn.Config(
             app,
             loop="none",  # the demo's loop is already running (uvloop)
-            ws="none",
             log_level="warning",
             **SERVER_OPTIONS,  # type: ignore[arg-type]
             timeout_graceful_shutdown=2,

@@ -1,20 +1,22 @@
 """The shared Redis client, behind a circuit breaker, for the plugins that keep state across processes.
 
 Redis is an accelerator here, never a dependency of answering: every call has a short deadline and is
-tried once, and a call that fails raises `StoreUnavailable` so that its caller falls back by its rule. The
-breaker tells a store that is down from one that is slow:
+tried once, and a call that fails raises `StoreUnavailable` so that its caller falls back by its rule. After a
+failure the breaker stays open for a cool-down, during which calls fail at once, untried: for the request
+path's stages, which all fail open (a cache misses, a rate limit decides in process), a second of fallback is
+cheap and a Redis in trouble is not asked again and again.
+
+Decisions about who may see or change an object fail closed, so there a late reply is a refused request, and a
+breaker opened by someone else's slow call an outage. They go through a store of their own (`decisions`): its
+own connections (a request-path burst never queues in front of them), a longer deadline
+(`redis.decision_timeout_ms`), its own breaker, and one that tells slow from down:
 
 - down: the connection is refused, reset or lost, cannot be opened in time, or has answered nothing for
-  `resp.SILENT_S` while calls waited (stopped, or stalled). The breaker opens for a cool-down, during which
-  every call fails at once without being tried.
+  `resp.SILENT_S` while calls waited (stopped, or stalled). The breaker opens for the cool-down.
 - slow: a reply missed its deadline on a connection that still answers (a busy server, a machine short of
   CPU). That one call fails; the breaker stays closed, so one late reply never refuses everyone else.
 
 The first failure and the recovery are logged once each; failures are counted for the metrics.
-
-Decisions about who may see or change an object fail closed, so a late reply there is a refused request.
-They go through a store of their own with a longer deadline (`redis.decision_timeout_ms`, `Store.decisions`),
-on connections of their own, so a request-path burst never queues in front of them.
 
 A few calls bypass the breaker (`pipeline(..., always=True)`): those whose failure costs more than one more
 slow call, made in the background a few times a second at most. A background job's lease renewal is one: a
@@ -74,8 +76,10 @@ class Store:
         connect_timeout_s: float = 0.2,
         cooldown_s: float = 1.0,
         connections: int = 2,
+        patient: bool = False,
     ) -> None:
         self.url = url
+        self.patient = patient  # a late reply fails its call but does not open the breaker (see `decisions`)
         self.connect_timeout_s = connect_timeout_s
         self.connections = connections
         # A few connections per server carry every call, pipelined: a burst queues on them (within the
@@ -96,6 +100,7 @@ class Store:
             connect_timeout_s=max(self.connect_timeout_s, timeout_s),
             cooldown_s=self.cooldown_s,
             connections=self.connections,
+            patient=True,
         )
 
     @property
@@ -173,7 +178,7 @@ class Store:
 
     def _trip(self, exc: Exception) -> StoreUnavailable:
         self.failures += 1
-        if isinstance(exc, SlowReply):  # slow, not down: this call fails, the others go on being tried
+        if self.patient and isinstance(exc, SlowReply):  # slow, not down: this call fails, the others are tried
             self.late += 1
             return StoreUnavailable(str(exc))
         self.open_until = time.monotonic() + self.cooldown_s

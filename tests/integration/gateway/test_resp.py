@@ -184,6 +184,30 @@ async def test_a_stopped_server_fails_calls_within_their_deadline_then_recovers(
         redis_server.pause()
         try:
             started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await store.execute("GET", "x")
+            assert time.monotonic() - started < 3.0  # its 100 ms deadline, not a hang
+            assert not store.available
+            assert store.down
+            with pytest.raises(StoreUnavailable, match="circuit open"):
+                await store.execute("GET", "x")
+        finally:
+            redis_server.resume()
+        await wait_for(lambda: store.execute("PING"))
+        assert await store.pipeline([("GET", "x"), ("INCR", "x")]) == [b"1", 2]
+        assert not store.down
+    finally:
+        await store.aclose()
+
+
+async def test_a_stalled_server_opens_the_decisions_breaker_only_once_silent(redis_server: RedisServer) -> None:
+    """The store for decisions: a first late reply is slow, not down; silence past SILENT_S opens its breaker."""
+    store = Store(redis_server.url).decisions(0.1)
+    try:
+        await store.execute("SET", "x", "1")
+        redis_server.pause()
+        try:
+            started = time.monotonic()
             with pytest.raises(StoreUnavailable, match="late"):  # one late reply: slow, not yet down
                 await store.execute("GET", "x")
             assert time.monotonic() - started < 3.0  # its deadline, not a hang
@@ -209,8 +233,19 @@ async def test_a_stopped_server_fails_calls_within_their_deadline_then_recovers(
 
 
 async def test_a_slow_server_that_still_answers_never_opens_the_breaker(redis_server: RedisServer) -> None:
-    """Replies that miss their deadline while others keep coming back are a busy server, not a dead one."""
-    store = Store(redis_server.url, timeout_s=0.05, cooldown_s=5.0)
+    """For the decisions' store, replies that miss their deadline while others keep coming back are a busy
+    server, not a dead one; the request path's store takes the first as an outage, for its cool-down."""
+    hasty = Store(redis_server.url, timeout_s=0.05, cooldown_s=5.0)
+    await hasty.execute("SET", "x", "1")
+    busy = asyncio.create_task(hasty.execute("EVAL", SPIN, 0, 120))
+    await asyncio.sleep(0)  # let it be sent first
+    with pytest.raises(StoreUnavailable):
+        await busy
+    assert hasty.down
+    await hasty.aclose()
+    with redis_server.client() as sync:
+        assert sync.ping()  # answered once the script is over
+    store = Store(redis_server.url, cooldown_s=5.0).decisions(0.05)
     try:
         await store.execute("SET", "x", "1")
         with redis_server.client() as sync:

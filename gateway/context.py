@@ -70,7 +70,7 @@ class Exchange:
         self.started = started  # perf_counter() when the request arrived
         self.model: str = json["model"]
         self.stream: bool = bool(json.get("stream", False))
-        # What the client asked of a stream; upstreams are asked for usage either way (see streaming.py).
+        # What the client asked of a stream; upstreams are asked for usage either way (see server/relay.py).
         options = json.get("stream_options") if self.stream else None
         # A Responses stream always ends with its usage (in response.completed): nothing to ask for or hide.
         self.include_usage = endpoint == "responses" or (

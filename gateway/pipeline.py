@@ -9,7 +9,7 @@
     3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
-    5 body      the relay (streaming.py), or the whole body / the plugin's reply
+    5 body      the relay (server/relay.py), or the whole body / the plugin's reply
     6 complete  plugins' on_complete, after the last byte: never delays the client
 
 A rejection and a plugin's reply go through steps 4 to 6 like an upstream answer, so headers and

@@ -1,1 +1,5 @@
-"""Optional pipeline stages, each one module: auth, rate_limit, cache, slo."""
+"""Optional pipeline stages, one package (or module) each: auth, rate_limit, cache, slo, semantic_cache, admission.
+
+Each owns its config schema and what it reports, uses the core (`gateway`), and never imports another plugin
+(tests/unit/test_rooms.py checks it); the core loads them by name from the config and never imports one.
+"""

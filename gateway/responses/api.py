@@ -223,7 +223,7 @@ class Responses:
             log.warning(
                 "responses.default_model is ignored: a response id without an owner record is answered with a 404"
             )
-        # Background mode: passed through to backends that have it, else run here (background_jobs.py).
+        # Background mode: passed through to backends that have it, else run here (jobs.py).
         self.background = Background(settings, upstreams, store)
         native = {name for name, backend in settings.backends.items() if backend.type in NATIVE_BACKGROUND}
         self.starters: dict[tuple[str, str], Target] = {}

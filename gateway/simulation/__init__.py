@@ -1,5 +1,6 @@
 """The built-in simulated backend: deterministic OpenAI-compatible answers, as bytes, with no I/O.
 
-It lets the quickstart, the tests and the benchmarks run with no key and no network. It may import
-`gateway.server.completion` and `gateway.responses.events` (the wire forms it writes) and nothing else.
+It lets the quickstart, the tests and the benchmarks run with no key and no network: chat completions, legacy
+completions and embeddings (answers.py) and the Responses API (responses.py). It may import `gateway.wire` (the
+byte forms it writes) and nothing else.
 """

@@ -3,7 +3,7 @@
 Before anything has gone to the client a target may still be abandoned for the next one: a transport
 failure, a 429 or a 5xx, or no first chunk within the model's `first_token_deadline_ms`. A 4xx other than
 429 is the client's problem and is answered as is. Once `open()` returns, the response is committed:
-what happens after is the relay's business (streaming.py), never a retry.
+what happens after is the relay's business (server/relay.py), never a retry.
 """
 
 from __future__ import annotations

@@ -89,12 +89,15 @@ class Store:
         self.open_until = 0.0  # while time.monotonic() is below this, calls are not even tried
         self.down = False
         self.failures = 0  # total, for metrics
+        # Whose `failures` this store's failures count in: its own, or (for `decisions`) the store it was made
+        # from, so that the one Redis failure metric sees both sets of connections.
+        self.tally: Store = self
         self.late = 0  # of those, replies that missed their deadline while the server still answered
 
     def decisions(self, timeout_s: float) -> Store:
         """A store on the same server for the calls that decide who may see or change an object: its own
         connections and breaker, and a deadline long enough that a busy machine is not mistaken for an outage."""
-        return Store(
+        store = Store(
             self.url,
             timeout_s=timeout_s,
             connect_timeout_s=max(self.connect_timeout_s, timeout_s),
@@ -102,6 +105,8 @@ class Store:
             connections=self.connections,
             patient=True,
         )
+        store.tally = self
+        return store
 
     @property
     def node_urls(self) -> list[str]:
@@ -143,7 +148,7 @@ class Store:
             try:
                 return await self.client.pipeline(commands)
             except Exception as exc:
-                self.failures += 1
+                self.tally.failures += 1
                 raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         self._check()
         return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
@@ -177,7 +182,7 @@ class Store:
             raise StoreUnavailable("redis circuit open")
 
     def _trip(self, exc: Exception) -> StoreUnavailable:
-        self.failures += 1
+        self.tally.failures += 1
         if self.patient and isinstance(exc, SlowReply):  # slow, not down: this call fails, the others are tried
             self.late += 1
             return StoreUnavailable(str(exc))

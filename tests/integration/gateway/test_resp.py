@@ -245,7 +245,8 @@ async def test_a_slow_server_that_still_answers_never_opens_the_breaker(redis_se
     await hasty.aclose()
     with redis_server.client() as sync:
         assert sync.ping()  # answered once the script is over
-    store = Store(redis_server.url, cooldown_s=5.0).decisions(0.05)
+    origin = Store(redis_server.url, cooldown_s=5.0)
+    store = origin.decisions(0.05)
     try:
         await store.execute("SET", "x", "1")
         with redis_server.client() as sync:
@@ -263,8 +264,12 @@ async def test_a_slow_server_that_still_answers_never_opens_the_breaker(redis_se
                 assert store.available
                 assert not store.down
         assert store.late >= 5
+        assert origin.failures == store.late  # counted where the Redis failure metric reads them
+        assert store.failures == 0
     finally:
         await store.aclose()
+        await origin.aclose()
+        await origin.aclose()
 
 
 async def test_a_flushed_script_is_sent_again(redis_server: RedisServer) -> None:

@@ -28,8 +28,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import errors
 from gateway.config import load
+from gateway.context import Exchange
 from gateway.messages.api import PATHS as MESSAGE_PATHS
-from gateway.pipeline import refusal_line
+from gateway.responses import stored
 from gateway.responses.api import JOB_PREFIX
 from gateway.responses.api import PREFIXES as RESPONSE_PREFIXES
 from gateway.responses.sockets import PATHS as SOCKET_PATHS
@@ -42,6 +43,7 @@ from gateway.server.direct import Direct, Handler
 from gateway.server.reply import send_error
 from gateway.server.request import request_id
 from gateway.settings import Listen, Settings
+from gateway.telemetry.access import refusal_line
 
 log = logging.getLogger("sluice")
 # Set by `sluice serve --workers N` for its workers: host:port as the supervisor listens (its --host, --port).
@@ -176,7 +178,7 @@ class Gateway:
                     error = errors.ServiceUnavailableError("gateway is starting")
                     await send_error(send, error, request_id(scope["headers"]))
                 else:
-                    await runtime.pipeline.handle(scope, receive, send, endpoint, deployment)
+                    await runtime.intake.asgi(runtime.intake.openai, scope, receive, send, endpoint, deployment)
                 return
             messages = MESSAGE_PATHS.get(path)
             if messages is not None:
@@ -189,7 +191,14 @@ class Gateway:
                 if runtime is None:
                     await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
                 else:
-                    await runtime.responses.handle(scope, receive, send, rest, jobs)
+                    method: str = scope["method"]
+                    query: bytes = scope.get("query_string", b"")
+                    headers = scope["headers"]
+
+                    def build(started: float, rid: str) -> Exchange:
+                        return stored.exchange(headers, method, rest, query, jobs, started, rid)
+
+                    await runtime.intake.built(scope, receive, send, f"{method} {path}", build)
                 return
         await self.site(scope, receive, send)
 
@@ -224,14 +233,14 @@ class Gateway:
             error = errors.ServiceUnavailableError("gateway is starting")
             await send_error(cycle.send, error, cycle.request_id)
         else:
-            await runtime.pipeline.handle_direct(cycle, endpoint, deployment)
+            await runtime.intake.direct(runtime.intake.openai, cycle, endpoint, deployment)
 
     async def messages_direct(self, endpoint: str, cycle: Direct) -> None:
         runtime = self.runtime
         if runtime is None:
             await send_error(cycle.send, errors.ServiceUnavailableError("gateway is starting"), cycle.request_id)
         else:
-            await runtime.messages.handle_direct(endpoint, cycle)
+            await runtime.intake.direct(runtime.messages.door, cycle, endpoint)
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         """Anthropic's Messages API under ASGI: POST only, like every proxy route."""
@@ -243,7 +252,7 @@ class Gateway:
         elif runtime is None:
             await send_error(send, errors.ServiceUnavailableError("gateway is starting"), "")
         else:
-            await runtime.messages.handle(scope, receive, send, endpoint)
+            await runtime.intake.asgi(runtime.messages.door, scope, receive, send, endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:

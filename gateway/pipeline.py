@@ -1,12 +1,13 @@
 """The request path: the only module with request control flow. Six steps, one direction.
 
-    1 parse     request -> Exchange (server/request.py), from the protocol (server/direct.py) or from ASGI;
-                targets = the model's chain, which the routing step (`route`, set by the runtime: the
-                Responses API, background jobs) may replace
-    2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects; then
-                for the Responses API and stored objects, the admission step (`admit`, set by the runtime):
-                the owner of what the request reads or references, checked against its tenant
-    3 upstream  upstream.open(): targets tried in order until one gives its first chunk; if none does,
+    1 parse     done before this module, by the front door's intake (server/intake.py): the request read and
+                parsed into an Exchange with its targets, or refused; `serve` is the one entry after it, with
+                the responder its answer goes through (server/responder.py)
+    2 request   plugins' on_request in config order; a Reply answers now, a GatewayError rejects; then, for
+                a Responses create, the admission step (`admit`): its references to stored objects checked
+                against its tenant
+    3 upstream  an operation on a stored object goes to `dispatch` (its owner's, only for its owner); anything
+                else to upstreams.open(): targets tried in order until one gives its first chunk; if none does,
                 plugins' on_failure may still answer (a stale cache entry) before the error goes out
     4 response  head known, nothing sent: plugins' on_response may add headers or a tap
     5 body      the relay (server/relay.py), or the whole body / the plugin's reply
@@ -23,23 +24,23 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-
-from starlette.types import Receive, Scope, Send
+from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
-from gateway.server import request
 from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
 from gateway.server.reply import BODY_FOLLOWS, JSON, send_error
+from gateway.telemetry.access import access_line
 from gateway.telemetry.recorder import ms_value, server_timing
-from gateway.upstream.attempts import Opened, around_loading
+from gateway.upstream.attempts import Opened
 from gateway.wire.marks import stream_rules
 
 if TYPE_CHECKING:
+    from starlette.types import Send
+
     from gateway.context import Exchange
     from gateway.plugin import Plugin
-    from gateway.server.direct import Direct
+    from gateway.server.responder import Responder
     from gateway.settings import Settings
     from gateway.telemetry.recorder import Telemetry
     from gateway.upstream.attempts import Upstreams
@@ -52,17 +53,22 @@ PASSED = frozenset(
 )
 STREAM_HEADERS = ((b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
 INTERNAL_CANCELLED = errors.GatewayError("internal gateway error (CancelledError)", code="internal_error")
-WATCH_AFTER_S = 0.05
+Admit = Callable[["Exchange"], Awaitable[None]]
+Dispatch = Callable[["Exchange"], Awaitable[Opened]]
 
 
 class Pipeline:
     def __init__(
-        self, settings: Settings, upstreams: Upstreams, plugins: list[Plugin], telemetry: Telemetry | None = None
+        self,
+        settings: Settings,
+        upstreams: Upstreams,
+        plugins: list[Plugin],
+        telemetry: Telemetry | None = None,
+        admit: Admit | None = None,
+        dispatch: Dispatch | None = None,
     ) -> None:
         self.upstreams = upstreams
         self.telemetry = telemetry
-        self.chains = upstreams.chains
-        self.max_body = settings.limits.max_body_bytes
         self.on_request = hooks(plugins, "on_request")
         self.on_failure = hooks(plugins, "on_failure")
         self.on_response = hooks(plugins, "on_response")
@@ -71,142 +77,34 @@ class Pipeline:
         self.access = logging.getLogger("sluice.access") if settings.log.access else None
         self.inflight = 0
         self.cut = 0  # requests ended by shutdown after the grace period
-        # Set by the runtime: may replace `ex.targets` once they are known (Responses: only the backends that
-        # have the API; background requests: the gateway's own runner), or reject the request.
-        self.route: Callable[[Exchange], None] | None = None
-        # Set by the runtime: run after the plugins' on_request (the tenant is known), before any upstream, for
-        # the Responses API and stored objects: reads the owner of a stored object and sets its target, or
-        # checks a create's references to stored objects against the tenant (gateway/responses/api.py).
-        self.admit: Callable[[Exchange], Awaitable[None]] | None = None
+        # Run after the plugins' on_request (the tenant is known), before any upstream, for a Responses create:
+        # checks its references to stored objects against the tenant (gateway/responses/api.py).
+        self.admit = admit
+        # Serves an operation on a stored object (`ex.resource`), after auth and admission, instead of the
+        # attempt loop: its owner's, and only for its owner (gateway/responses/stored.py).
+        self.dispatch = dispatch
 
-    async def handle(
-        self, scope: Scope, receive: Receive, send: Send, endpoint: str, path_model: str | None = None
-    ) -> None:
-        """A request from the ASGI app (or a caller that speaks ASGI: the cache's warm-up, evaluations)."""
-        started: float = scope.get(request.ARRIVED) or time.perf_counter()
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        rid = request.request_id(headers)
-        try:
-            body = await request.read_body(receive, headers, self.max_body)
-        except request.ClientGone:
-            return
-        except errors.GatewayError as exc:
-            await self._reject(send, exc, rid, endpoint, started)
-            return
-        await self._route(headers, body, started, rid, receive, send, endpoint, path_model, None)
-
-    async def handle_direct(self, direct: Direct, endpoint: str, path_model: str | None = None) -> None:
-        """A request on a proxy route from the HTTP/1.1 protocol (server/direct.py), without the ASGI cycle."""
-        headers = direct.headers
-        rid = direct.request_id
-        try:
-            body = direct.whole()  # the common case: the body came with the head
-            if body is None:
-                body = await request.read_body(direct.receive, headers, self.max_body)
-            else:
-                body = request.taken(body, direct.encoding, self.max_body)
-        except request.ClientGone:
-            return
-        except errors.GatewayError as exc:
-            await self._reject(direct.send, exc, rid, endpoint, direct.arrived)
-            return
-        await self._route(headers, body, direct.arrived, rid, direct.receive, direct.send, endpoint, path_model, direct)
-
-    async def _route(
-        self,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        started: float,
-        rid: str,
-        receive: Receive,
-        send: Send,
-        endpoint: str,
-        path_model: str | None,
-        direct: Direct | None,
-    ) -> None:
-        """Step 1's end: the Exchange parsed and its targets found, or the request refused."""
-        try:
-            ex = request.parse(endpoint, headers, body, started, rid, path_model)
-        except errors.GatewayError as exc:
-            await self._reject(send, exc, rid, endpoint, started)
-            return
-        ex.mark("parse", started)
-        chain = self.chains.get(ex.model)
-        if chain is None:
-            error = errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model")
-            await self._reject(send, error, rid, endpoint, started, ex.model)
-            return
-        ex.targets = list(chain)
-        if self.upstreams.loading:  # empty unless a self-hosted backend is still loading its model
-            around_loading(ex, self.upstreams.loading)
-        if self.route is not None:
-            try:
-                self.route(ex)
-            except errors.GatewayError as exc:
-                await self._reject(send, exc, rid, endpoint, started, ex.model)
-                return
-        await self.serve(ex, receive, send, direct)
-
-    async def serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None = None) -> None:
-        """Steps 2 to 6 for an Exchange whose targets are set (also for requests parsed elsewhere)."""
+    async def serve(self, ex: Exchange, responder: Responder) -> None:
+        """Steps 2 to 6 for an Exchange whose targets are set: the one entry, for every front door."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
-        await self._serve(ex, receive, send, direct)
-
-    async def _reject(
-        self,
-        send: Send,
-        error: errors.GatewayError,
-        rid: str,
-        endpoint: str,
-        started: float,
-        model: str | None = None,
-    ) -> None:
-        """A request refused before it was routed (bad JSON, unknown model): answered, counted and logged."""
-        if self.telemetry is not None:
-            self.telemetry.rejected(error.status)
-        await send_error(send, error, rid)
-        if self.access is not None:
-            refusal_line(self.access, endpoint, error, rid, started, model)
-
-    refuse = _reject  # for a front door that parses its own requests (gateway/messages)
-
-    async def _serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None) -> None:
         outcome = Outcome.begun()
         task = asyncio.current_task()
         assert task is not None
         done = False
 
-        def client_left(_: object = None) -> None:
+        def client_left() -> None:
             if not done:
                 outcome.client_gone = True
                 task.cancel()
 
         # A client that leaves stops the upstream at once, whether we are waiting for the first token or
-        # relaying. The protocol's direct path says so when the connection is lost. Under ASGI a disconnect
-        # is reported only through receive(): a watcher on it starts once a request has lasted WATCH_AFTER_S
-        # (most non-stream answers are done by then; a client gone sooner loses nothing but those
-        # milliseconds of upstream work).
-        loop = asyncio.get_running_loop()
-        watcher: asyncio.Future[Any] | None = None
-        timer: asyncio.TimerHandle | None = None
-        if direct is not None:
-            direct.gone = client_left
-            if direct.disconnected:  # gone while the request was parsed
-                client_left()
-        else:
-
-            def watch() -> None:
-                nonlocal watcher
-                if not done:
-                    watcher = asyncio.ensure_future(receive())
-                    watcher.add_done_callback(client_left)
-
-            timer = loop.call_later(WATCH_AFTER_S, watch)
+        # relaying (server/responder.py says how each transport learns of it).
+        responder.watch(client_left)
         ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1
         try:
-            await self._respond(ex, send, outcome, direct)
+            await self._respond(ex, responder, outcome)
             ended = True
         except asyncio.CancelledError:
             cancelled = task.cancelling() > 0  # this request's task was cancelled, not something it awaited
@@ -219,36 +117,19 @@ class Pipeline:
                 # Nothing but the server cancels a request otherwise: shutdown.grace_s is over. The client
                 # gets the documented end (an error event and [DONE], or a 503), never a silent cut.
                 done = True  # a client leaving now must not cancel the last words
-                await self._cut(ex, send, outcome)
+                await self._cut(ex, responder, outcome)
             else:
                 # A cancellation that came up from below (something awaited was cancelled under the request):
                 # a bug, not a shutdown; the client gets an internal error, the log the trace.
                 done = True
                 log.exception("request %s: cancelled from below, not by a shutdown", ex.request_id)
-                await self._end(ex, send, outcome, INTERNAL_CANCELLED)
+                await self._end(ex, responder, outcome, INTERNAL_CANCELLED)
         finally:
             done = True
-            if direct is not None:
-                direct.gone = None
-            elif timer is not None:
-                timer.cancel()
-            if watcher is not None:
-                watcher.cancel()
-            if ex.resource:
-                # Reading a stored response generates nothing: its tokens and latency were counted when made.
-                outcome.usage = outcome.ttft_ms = outcome.tpot_ms = None
-            elif outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
-                outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
-            # Plugins hear of every request that reached them, however it ended (a leader that fails
-            # must still release the requests following it): in a task of its own after a cut or a bug.
+            responder.unwatch()
+            self._settle(ex, outcome)
             if not ended:
-                self.inflight -= 1
-                if self.on_complete:
-                    job = loop.create_task(self._complete(ex, outcome))
-                    self._background.add(job)
-                    job.add_done_callback(self._background.discard)
-                elif self.telemetry is not None or self.access is not None:
-                    loop.call_soon(self._record, ex, outcome)
+                self._complete_later(ex, outcome)
         if not ended:
             return  # a cut or a cancellation from below, ended above: its completion is under way already
         # The last byte has gone: the rest runs in this request's own task, which costs nothing the client
@@ -263,21 +144,42 @@ class Pipeline:
         finally:
             self.inflight -= 1
 
-    async def _cut(self, ex: Exchange, send: Send, outcome: Outcome) -> None:
+    @staticmethod
+    def _settle(ex: Exchange, outcome: Outcome) -> None:
+        if ex.resource:
+            # Reading a stored response generates nothing: its tokens and latency were counted when made.
+            outcome.usage = outcome.ttft_ms = outcome.tpot_ms = None
+        elif outcome.ttft_ms is None and outcome.complete and (not ex.stream or outcome.source != "upstream"):
+            outcome.ttft_ms = outcome.total_ms  # a whole answer, or a plugin's: its first token came with it
+
+    def _complete_later(self, ex: Exchange, outcome: Outcome) -> None:
+        """Plugins hear of every request that reached them, however it ended (a leader that fails must still
+        release the requests following it): in a task of its own after a cut or a bug."""
+        self.inflight -= 1
+        loop = asyncio.get_running_loop()
+        if self.on_complete:
+            job = loop.create_task(self._complete(ex, outcome))
+            self._background.add(job)
+            job.add_done_callback(self._background.discard)
+        elif self.telemetry is not None or self.access is not None:
+            loop.call_soon(self._record, ex, outcome)
+
+    async def _cut(self, ex: Exchange, responder: Responder, outcome: Outcome) -> None:
         self.cut += 1
         outcome.error = "gateway shutting down"
         error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
-        await self._end(ex, send, outcome, error)
+        await self._end(ex, responder, outcome, error)
 
-    async def _end(self, ex: Exchange, send: Send, outcome: Outcome, error: errors.GatewayError) -> None:
+    async def _end(self, ex: Exchange, responder: Responder, outcome: Outcome, error: errors.GatewayError) -> None:
         """End a request that was stopped where it stood: the error as the response, or as the last event."""
         outcome.error = outcome.error or error.message
         try:
             if ex.overhead_ms:  # set just before the head went out: the body is under way
                 if ex.stream:  # a whole answer is one message: it went out whole, or cannot be ended cleanly
-                    await send({"type": "http.response.body", "body": error.sse_event(), "more_body": False})
+                    last = {"type": "http.response.body", "body": error.sse_event(), "more_body": False}
+                    await responder.send(last)
             else:
-                await send_error(send, error, ex.request_id)
+                await send_error(responder.send, error, ex.request_id)
                 outcome.status = error.status
         except Exception:
             log.debug("request %s: could not end it before shutdown", ex.request_id, exc_info=True)
@@ -296,7 +198,7 @@ class Pipeline:
             await asyncio.sleep(0.01)
         return self.cut
 
-    async def _respond(self, ex: Exchange, send: Send, outcome: Outcome, direct: Direct | None) -> None:
+    async def _respond(self, ex: Exchange, responder: Responder, outcome: Outcome) -> None:
         answer = await self._answer(ex, outcome)
         head = self._head(ex, answer, outcome)
         taps: list[Tap] = []
@@ -307,7 +209,7 @@ class Pipeline:
         overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
         head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
         head.headers.append((b"x-sluice-overhead-ms", ms_value(overhead)))
-        await self._body(send, ex, head, answer, outcome, tuple(taps), direct)
+        await self._body(responder, ex, head, answer, outcome, tuple(taps))
         outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
 
     async def _answer(self, ex: Exchange, outcome: Outcome) -> Opened | Reply:
@@ -327,16 +229,18 @@ class Pipeline:
                     since = now
                 if reply is not None:
                     return reply
-            if self.admit is not None and (ex.resource or ex.endpoint == "responses"):
+            if ex.endpoint == "responses" and self.admit is not None and not ex.resource:
                 try:
                     await self.admit(ex)
                 except errors.GatewayError:
                     ex.rejected_by = "responses"
                     raise
             try:  # step 3, in this frame rather than a coroutine of its own: one awaited frame fewer a request
+                if ex.resource and self.dispatch is not None:
+                    return await self.dispatch(ex)  # a stored object: read, cancelled or deleted, never tried
                 return await self.upstreams.open(ex)
             except errors.GatewayError as exc:
-                reply = await self._rescue(ex, exc)
+                reply = await self._rescue(ex, exc) if not ex.resource else None
                 if reply is None:
                     raise
                 return reply
@@ -394,25 +298,24 @@ class Pipeline:
 
     async def _body(
         self,
-        send: Send,
+        responder: Responder,
         ex: Exchange,
         head: ResponseHead,
         answer: Opened | Reply,
         outcome: Outcome,
         taps: tuple[Tap, ...],
-        direct: Direct | None,
     ) -> None:
         """Step 5: relay the upstream's stream, or send a whole body or a plugin's stream."""
         if isinstance(answer, Reply):
             if answer.stream is not None:
-                await self._send_pieces(send, head, answer.stream, outcome, taps)
+                await self._send_pieces(responder.send, head, answer.stream, outcome, taps)
             else:
-                await self._send_whole(send, head, answer.body, outcome, taps, direct)
+                await self._send_whole(responder, head, answer.body, outcome, taps)
             return
         n = ex.json.get("n")
         choices = n if type(n) is int and n > 1 else 1
         if not ex.stream:
-            await self._send_whole(send, head, answer.first, outcome, taps, direct)
+            await self._send_whole(responder, head, answer.first, outcome, taps)
             if head.status < 400:
                 outcome.usage = find_usage(answer.first[-2048:])
                 served = ex.served
@@ -422,6 +325,7 @@ class Pipeline:
             return
         try:
             start = {"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True}
+            send = responder.send
             await send(start)
             assert ex.served is not None
             mode = usage_mode(ex.include_usage, ex.served.provider.reports_usage)
@@ -453,23 +357,17 @@ class Pipeline:
 
     async def _send_whole(
         self,
-        send: Send,
+        responder: Responder,
         head: ResponseHead,
         body: bytes,
         outcome: Outcome,
         taps: tuple[Tap, ...],
-        direct: Direct | None,
     ) -> None:
         head.headers.append((b"content-length", str(len(body)).encode()))
         for tap in taps:
             tap(body)
             tap(b"")
-        if direct is not None:
-            await direct.answer(head.status, head.headers, body)  # the head and body in one write, one call
-        else:
-            start = {"type": "http.response.start", "status": head.status, "headers": head.headers, BODY_FOLLOWS: True}
-            await send(start)
-            await send({"type": "http.response.body", "body": body, "more_body": False})
+        await responder.answer(head.status, head.headers, body)  # the head and body in one write where it can
         outcome.complete = True
 
     def _record(self, ex: Exchange, outcome: Outcome) -> None:
@@ -488,47 +386,3 @@ class Pipeline:
                 await hook(ex, outcome)
             except Exception:
                 log.exception("plugin %s: on_complete failed", name)
-
-
-def refusal_line(
-    logger: logging.Logger,
-    what: str,
-    error: errors.GatewayError,
-    rid: str,
-    started: float,
-    model: str | None = None,
-) -> None:
-    """The access line of a request refused before routing: the same fields, those not known left empty."""
-    fields = {
-        "request_id": rid,
-        "tenant": None,
-        "model": model,
-        "status": error.status,
-        "total_ms": round((time.perf_counter() - started) * 1000.0, 3),
-        "rejected_by": "gateway",
-        "error": error.code or error.type,
-    }
-    logger.info("%s %d", what, error.status, extra={"fields": fields})
-
-
-def access_line(logger: logging.Logger, ex: Exchange, outcome: Outcome) -> None:
-    """One line per request, made after it ended: who, what, how it went and where the time went."""
-    total = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
-    status = outcome.status or 499  # the client left before the head
-    fields = {
-        "request_id": ex.request_id,
-        "tenant": ex.tenant,
-        "model": ex.model,
-        "served_model": ex.served.model if ex.served is not None else None,
-        "stream": ex.stream,
-        "status": status,
-        "ttft_ms": round(outcome.ttft_ms, 3) if outcome.ttft_ms is not None else None,
-        "total_ms": round(total, 3),
-        "overhead_ms": round(ex.overhead_ms, 3),
-        "fallback": ex.fallback,
-        "rejected_by": ex.rejected_by,
-        "error": outcome.error,
-        **ex.labels,  # what plugins report of the request (the cache's result)
-        **ex.attributes,  # and what they add to its span (the entry a semantic hit replayed, its similarity)
-    }
-    logger.info("%s %d", ex.endpoint, status, extra={"fields": fields})

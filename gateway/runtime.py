@@ -14,6 +14,7 @@ from gateway.plugin import Plugin, hooks, load_class
 from gateway.responses.api import Responses
 from gateway.responses.sockets import Sockets
 from gateway.server.collector import Collector
+from gateway.server.intake import Intake
 from gateway.settings import Settings
 from gateway.state.resp import parse_url
 from gateway.state.store import Store, StoreUnavailable
@@ -41,13 +42,23 @@ class Runtime:
         self.telemetry = Telemetry(settings, self.plugins, self.store, self.upstreams)
         self.meter = self.telemetry.meter  # plugins make their own series with it at start-up
         self.upstreams.instrument(self.meter)
-        self.pipeline = Pipeline(settings, self.upstreams, self.plugins, self.telemetry)
         self.warmup = Warmup(settings, self.upstreams, self.meter)
-        self.responses = Responses(settings, self.upstreams, self.pipeline, self.decisions)
-        self.pipeline.route = self.responses.route
-        self.pipeline.admit = self.responses.admit
-        self.messages = Messages(settings, self.upstreams, self.pipeline)
-        self.sockets = Sockets(settings, self.pipeline, self.meter)  # the Responses API's WebSocket mode
+        self.responses = Responses(settings, self.upstreams, self.decisions)
+        responses = self.responses
+        self.pipeline = Pipeline(
+            settings, self.upstreams, self.plugins, self.telemetry, responses.admit, responses.stored.dispatch
+        )
+        # Step 1 of every front door; the Responses API's routing step picks its capable backends.
+        self.intake = Intake(
+            self.upstreams,
+            settings.limits.max_body_bytes,
+            self.pipeline.serve,
+            responses.route,
+            self.telemetry,
+            self.pipeline.access,
+        )
+        self.messages = Messages(settings, self.upstreams)  # Anthropic's Messages API: a door of the intake's
+        self.sockets = Sockets(settings, self.pipeline, self.intake, self.meter)  # the Responses API's WebSocket mode
         self.collector = Collector(lambda: self.pipeline.busy)
         self.started = False
 

@@ -20,8 +20,16 @@ COUNT_TOKENS = "messages/count_tokens"
 ROLES = ("user", "assistant", "system")  # a system turn within the conversation: Claude Code sends them
 
 
-def parse(endpoint: str, headers: list[tuple[bytes, bytes]], body: bytes, started: float, rid: str) -> Exchange:
-    """The Exchange of a Messages (or count_tokens) request, or a GatewayError with a 400 the client can act on."""
+def parse(
+    endpoint: str,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+    started: float,
+    rid: str,
+    path_model: str | None = None,
+) -> Exchange:
+    """The Exchange of a Messages (or count_tokens) request, or a GatewayError with a 400 the client can act on.
+    (`path_model`: this API names no model in its paths.)"""
     try:
         data: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

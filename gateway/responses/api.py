@@ -15,74 +15,35 @@ and telemetry apply as for chat completions. Three things differ, all decided he
 - References: `previous_response_id`, `conversation` and `item_reference` input items of a create are
   checked against the caller's tenant the same way (`admit`, after auth and before any upstream).
 
-The operations on a stored response run through the pipeline too (`Exchange.resource` set, no body, the
-model unknown until the owner is read): auth comes first, so a request without a valid key gets the same
-401 whether the id exists or not; the rate limiter charges the tenant one request; then `admit` reads the
-owner and sets the model and target. The stored response's usage is not counted again.
+The operations on a stored response or a background job (read, cancel, delete) are dispatched by the pipeline
+after auth and the rate limiter, without the attempt loop (stored.py).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import TYPE_CHECKING, Any
-
-import orjson
 
 from gateway import errors
 from gateway.context import Exchange, Target
 from gateway.responses.index import Indexing, Owner, ResponseIndex, index_key, item_key
-from gateway.responses.jobs import Background, Canned
-from gateway.server import request
-from gateway.server.reply import send_error
+from gateway.responses.jobs import Background
+from gateway.responses.stored import RESPONSE_ID, RETRY_AFTER, Stored, unavailable
 from gateway.state.store import StoreUnavailable
 from gateway.upstream.health import Health
 
 if TYPE_CHECKING:
-    from starlette.types import Receive, Scope, Send
-
-    from gateway.pipeline import Pipeline
     from gateway.settings import Settings
     from gateway.state.store import Store
     from gateway.upstream.attempts import Upstreams
-    from gateway.upstream.providers.base import Provider, UpstreamResponse
+    from gateway.upstream.providers.base import UpstreamResponse
 
 log = logging.getLogger("sluice.responses")
 
 PREFIXES = ("/v1/responses/", "/responses/", "/openai/v1/responses/")
 JOB_PREFIX = "/v1/sluice/background/"
-OPERATIONS = {"": ("GET", "DELETE"), "cancel": ("POST",), "input_items": ("GET",)}
-JOB_OPERATIONS = {"": ("GET",), "events": ("GET",)}
 NATIVE_BACKGROUND = frozenset({"openai"})  # backend types that run background responses themselves
-RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-JOBS_ENDPOINT = "chat/completions"  # the endpoint of a chat job's operations (/v1/sluice/background/{id})
-UNKNOWN_MODEL = ""  # a stored object's model until its owner is read
-RETRY_AFTER = (b"retry-after", b"1")
-
-
-class Owned:
-    """A stored response's backend, for the tenant that created it only; a DELETE forgets it."""
-
-    def __init__(self, inner: Provider, index: ResponseIndex, ident: str, owner: Owner) -> None:
-        self.inner = inner
-        self.index = index
-        self.ident = ident
-        self.owner = owner
-        self.kind = inner.kind
-        self.system = inner.system
-        self.url = getattr(inner, "url", None)
-        self.health = inner.health  # read by the attempt loop: a backend known down is tried last
-        self.reports_usage = inner.reports_usage
-        self.usage_of_first_choice = inner.usage_of_first_choice
-
-    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
-        if self.owner.tenant != ex.tenant:  # admitted for its owner only; this holds whatever calls it
-            raise not_found(self.ident)
-        response = await self.inner.send(ex, target)
-        if ex.method == b"DELETE" and response.status == 200:
-            await self.index.forget(self.ident)
-        return response
 
 
 class Run:
@@ -113,74 +74,12 @@ class Starter(Run):
         return response
 
 
-class Reader(Run):
-    """A background job's record and events, for the tenant that created it only."""
-
-    def __init__(self, background: Background, index: ResponseIndex, ident: str, system: str) -> None:
-        super().__init__(background, index, system)
-        self.ident = ident
-
-    async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
-        background = self.background
-        try:
-            job = await background.jobs.get(self.ident)
-            if job is None or job.tenant != ex.tenant:
-                raise not_found(self.ident)
-            job = await background.check_owner(job)
-            path, _, query = ex.resource.partition("?")
-            operation = path.strip("/").partition("/")[2]
-            if operation == "cancel":
-                job = await background.cancel(job)
-            elif operation == "input_items":
-                items = orjson.loads(job.input)
-                first, last = (items[0].get("id"), items[-1].get("id")) if items else (None, None)
-                page = {"object": "list", "data": items, "first_id": first, "last_id": last, "has_more": False}
-                return Canned(200, orjson.dumps(page))
-            elif ex.method == b"DELETE":
-                await background.cancel(job)
-                await background.jobs.delete(job)  # its record, input items and events: for every instance
-                await self.index.forget(self.ident)
-                return Canned(200, orjson.dumps({"id": self.ident, "object": "response", "deleted": True}))
-            elif operation == "events" or ex.stream:
-                return background.follow(job, _after(ex, query))
-        except StoreUnavailable:
-            raise unavailable(jobs=True) from None
-        return Canned(200, job.object)
-
-
-def _after(ex: Exchange, query: str) -> int:
-    """The sequence number to resume after: `starting_after` (Responses) or `Last-Event-ID` (SSE)."""
-    given = ex.header(b"last-event-id")
-    value = given.decode("latin-1") if given is not None else ""
-    for pair in query.split("&"):
-        name, _, found = pair.partition("=")
-        if name == "starting_after":
-            value = found
-    value = value.strip()
-    return int(value) if value.lstrip("-").isdigit() else -1
-
-
-def not_found(ident: str) -> errors.GatewayError:
-    # As OpenAI answers it: a 404 without a code.
-    message = f"Response with id '{ident}' not found."
-    return errors.GatewayError(message, status=404, type="invalid_request_error", param="response_id")
-
-
 def reference_not_found(param: str, ident: str) -> errors.GatewayError:
     """Another tenant's object, or one without an owner record: the same answer, so it tells nothing."""
     what = "Previous response" if param == "previous_response_id" else "Item"
     code = "previous_response_not_found" if param == "previous_response_id" else None
     message = f"{what} with id '{ident}' not found."
     return errors.GatewayError(message, status=404, type="invalid_request_error", param=param, code=code)
-
-
-def unavailable(jobs: bool) -> errors.GatewayError:
-    """The owner of an object cannot be read: fail closed, never a guess (nor a forward without an owner)."""
-    if jobs:
-        message, code = "the background job store is unavailable; retry shortly", "background_unavailable"
-    else:
-        message, code = "the response store is unavailable; retry shortly", "response_store_unavailable"
-    return errors.ServiceUnavailableError(message, code=code, headers=[RETRY_AFTER])
 
 
 def _is_reference(item: dict[str, Any]) -> bool:
@@ -193,10 +92,9 @@ def _is_reference(item: dict[str, Any]) -> bool:
 class Responses:
     """Routing for POST /v1/responses and the handler of the stored-response paths; built at start-up."""
 
-    def __init__(self, settings: Settings, upstreams: Upstreams, pipeline: Pipeline, store: Store | None) -> None:
+    def __init__(self, settings: Settings, upstreams: Upstreams, store: Store | None) -> None:
         self.settings = settings
         self.upstreams = upstreams
-        self.pipeline = pipeline
         self.index = ResponseIndex(store, settings.responses.index_ttl_s)
         self.max_body = settings.limits.max_body_bytes
         capable = {name for name, backend in settings.backends.items() if backend.responses_api}
@@ -225,6 +123,8 @@ class Responses:
             )
         # Background mode: passed through to backends that have it, else run here (jobs.py).
         self.background = Background(settings, upstreams, store)
+        # Reads, cancels and deletes of what was stored: the pipeline's `dispatch` (stored.py).
+        self.stored = Stored(upstreams, self.index, self.background, frozenset(capable))
         native = {name for name, backend in settings.backends.items() if backend.type in NATIVE_BACKGROUND}
         self.starters: dict[tuple[str, str], Target] = {}
         for model, chain in upstreams.chains.items():
@@ -257,80 +157,19 @@ class Responses:
         starter = self.starters.get(("responses", ex.model)) if background else None
         ex.targets = [starter] if starter is not None else list(self.chains[ex.model])
 
-    async def handle(self, scope: Scope, receive: Receive, send: Send, rest: str, jobs: bool = False) -> None:
-        """GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel, GET /v1/responses/{id}/input_items;
-        with `jobs`, GET /v1/sluice/background/{id} and GET /v1/sluice/background/{id}/events.
-
-        Only the path is judged here; the id is looked up by `admit`, after auth, so that a request without
-        a valid key learns nothing about it."""
-        started = time.perf_counter()
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        rid = request.request_id(headers)
-        ident, _, operation = rest.partition("/")
-        method: str = scope["method"]
-        operations = JOB_OPERATIONS if jobs else OPERATIONS
-        allowed = operations.get(operation)
-        if allowed is None or not RESPONSE_ID.fullmatch(ident):
-            await send_error(send, errors.NotFoundError("unknown URL", code="unknown_url"), rid)
-            return
-        if method not in allowed:
-            error = errors.MethodNotAllowedError(f"{method} is not allowed here")
-            error.headers = [(b"allow", ", ".join(allowed).encode())]
-            await send_error(send, error, rid)
-            return
-        try:
-            await request.read_body(receive, headers, self.max_body)  # nothing is expected, but read it off
-        except request.ClientGone:
-            return
-        except errors.GatewayError as exc:
-            await send_error(send, exc, rid)
-            return
-        query: bytes = scope.get("query_string", b"")
-        # The model is unknown until the owner is read (admit): "" meanwhile, which no model is called.
-        ex = Exchange(rid, JOBS_ENDPOINT if jobs else "responses", headers, b"", {"model": UNKNOWN_MODEL}, started)
-        ex.method = method.encode()
-        ex.resource = "/" + rest + ("?" + query.decode("latin-1") if query else "")
-        ex.stream = operation == "events" or (method == "GET" and not operation and b"stream=true" in query)
-        ex.mark("parse", started)
-        await self.pipeline.serve(ex, receive, send)
-
     async def admit(self, ex: Exchange) -> None:
-        """The pipeline's admission step, after the plugins' on_request (the tenant is known) and before any
-        upstream: a stored object's operation gets its owner's target, or a 404 / 503; a create's references
-        to stored objects are checked against the tenant. Timed as stage "index" when it reads the index."""
-        if not ex.resource and not self._references(ex):
+        """The pipeline's admission step for a create, after the plugins' on_request (the tenant is known) and
+        before any upstream: its references to stored objects are checked against the tenant. Timed as stage
+        "index" when it reads the index."""
+        if not self._references(ex):
             return
         since = time.perf_counter()
         try:
-            if ex.resource:
-                await self._find(ex)
-            else:
-                await self._check_references(ex)
+            await self._check_references(ex)
         except StoreUnavailable:
-            raise unavailable(ex.endpoint == JOBS_ENDPOINT) from None
+            raise unavailable(jobs=False) from None
         finally:
             ex.mark("index", since)
-
-    async def _find(self, ex: Exchange) -> None:
-        jobs = ex.endpoint == JOBS_ENDPOINT
-        ident = ex.resource[1:].partition("/")[0].partition("?")[0]
-        owner = await self.index.lookup(ident)
-        if owner is None or owner.tenant != ex.tenant:
-            raise not_found(ident)
-        target = self.upstreams.targets.get(owner.model)
-        job = owner.job
-        # Each path reads its own kind: a Responses job or stored response under /v1/responses, a chat job
-        # under /v1/sluice/background.
-        wrong_path = (job and ident.startswith("resp_") == jobs) or (jobs and not job)
-        if target is None or (target.backend not in self.wrapped and not job) or wrong_path:
-            raise not_found(ident)
-        system = target.provider.system
-        if job:
-            provider: Any = Reader(self.background, self.index, ident, system)
-        else:
-            provider = Owned(self.upstreams.providers[target.backend], self.index, ident, owner)
-        ex.model = target.model
-        ex.targets = [_rewrap(target, provider, timed=False)]
 
     def _references(self, ex: Exchange) -> bool:
         """Whether a create has anything to check: a reference to a stored object, or a store to keep it in

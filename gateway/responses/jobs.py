@@ -5,7 +5,8 @@ true`) is admitted by the pipeline as usual (auth, rate limits), then its one ta
 records the job (`gateway.responses.job_store`), starts a task owned by this process that streams the request from
 the model's real targets and stores every event with its sequence number, and answers at once: the queued
 response object (or, for `stream: true`, the live stream of its events), or `202 Accepted` with a
-`Location` for chat. Polls, resumes and cancels reach the job through a `Reader` target, on any instance.
+`Location` for chat. Polls, resumes and cancels reach the job through the pipeline's dispatch (stored.py), on
+any instance.
 
 The task is bounded (`background.max_seconds`, the tenant's `max_inflight_per_tenant`); while it runs, this
 instance renews its lease and its jobs' slots every `lease_s / 3`, on a path the store's breaker does not

@@ -296,8 +296,8 @@ class Session:
             return
         sent = self.send
         assert sent is not None
-        responder = Responder(sent, lane.name, self.many)
-        await self.sockets.run(self, body, started, self._disconnected, responder, turn)
+        responder = Responder(sent, self._disconnected, lane.name, self.many)
+        await self.sockets.run(self, body, started, responder, turn)
         response = responder.response
         if responder.failed or response is None or not isinstance(response.get("id"), str):
             return

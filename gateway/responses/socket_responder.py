@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway.server.responder import Watcher
 from gateway.server.websocket import SEND_MANY
 from gateway.wire.response_events import TERMINAL
 
 if TYPE_CHECKING:
-    from starlette.types import Message, Send
+    from collections.abc import Sequence
+
+    from starlette.types import Message, Receive, Send
 
     from gateway import errors
 
@@ -41,11 +44,13 @@ def tag(lane: str | None) -> bytes:
     return b"" if lane is None else b'"stream_id":' + orjson.dumps(lane) + b","
 
 
-class Responder:
-    """The pipeline's `send` for one turn: SSE events out as text messages, an error answer as an error event."""
+class Responder(Watcher):
+    """The pipeline's responder for one turn: SSE events out as text messages, an error answer as an error event;
+    a disconnect learnt from the turn's `receive` (the socket closed, or its key revoked)."""
 
-    def __init__(self, send: Send, lane: str | None = None, many: bool = False) -> None:
-        self.send = send
+    def __init__(self, out: Send, receive: Receive, lane: str | None = None, many: bool = False) -> None:
+        super().__init__(receive)
+        self.out = out
         self.many = many  # the server takes several messages at once (gateway/server/websocket.py)
         self.lane = lane
         self.tag = tag(lane)
@@ -57,7 +62,11 @@ class Responder:
         self.failed = False  # an error went out: no response to remember
         self.events = 0
 
-    async def __call__(self, message: Message) -> None:
+    async def answer(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = message["status"]
@@ -79,10 +88,10 @@ class Responder:
         if not texts:
             return
         if self.many and len(texts) > 1:
-            await self.send({"type": SEND_MANY, "texts": texts})  # the events of one upstream read, one write
+            await self.out({"type": SEND_MANY, "texts": texts})  # the events of one upstream read, one write
         else:
             for text in texts:
-                await self.send({"type": "websocket.send", "text": text})
+                await self.out({"type": "websocket.send", "text": text})
 
     def _event(self, block: bytes) -> str | None:
         """The message for one SSE event, or None for none (a comment, `[DONE]`)."""
@@ -121,7 +130,7 @@ class Responder:
             found = None
         if not isinstance(found, dict):
             found = {"message": self.error_body.decode("utf-8", "replace")[:500], "type": "server_error"}
-        await self.send({"type": "websocket.send", "text": self._error(self.status, found, self.headers)})
+        await self.out({"type": "websocket.send", "text": self._error(self.status, found, self.headers)})
 
     def _error(self, status: int, error: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> str:
         self.failed = True

@@ -28,13 +28,14 @@ from gateway.responses.socket import Session
 from gateway.server import request
 from gateway.server.reply import JSON
 from gateway.server.websocket import SEND_MANY
-from gateway.upstream.attempts import around_loading
+from gateway.telemetry.access import refusal_line
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from gateway.pipeline import Pipeline
     from gateway.responses.socket_responder import Responder
+    from gateway.server.intake import Intake
     from gateway.settings import Settings
     from gateway.telemetry.metrics import Meter
 
@@ -57,9 +58,10 @@ async def deny(send: Send, error: errors.GatewayError, rid: str) -> None:
 class Sockets:
     """The open sockets of this process, and how a turn becomes a request through the pipeline."""
 
-    def __init__(self, settings: Settings, pipeline: Pipeline, meter: Meter | None = None) -> None:
+    def __init__(self, settings: Settings, pipeline: Pipeline, intake: Intake, meter: Meter | None = None) -> None:
         self.settings = settings.responses.websocket
         self.pipeline = pipeline
+        self.intake = intake
         # The auth plugin's hook, if it is configured: the handshake runs it alone (a turn runs every stage).
         self.auth = next((hook for name, hook in pipeline.on_request if name == "auth"), None)
         self.open: set[Session] = set()
@@ -162,25 +164,8 @@ class Sockets:
 
     async def _refuse(self, send: Send, error: errors.GatewayError, rid: str, what: str, started: float) -> None:
         await deny(send, error, rid)
-        self._refusal_line(what, error, rid, started, None)
-
-    def _refusal_line(
-        self, what: str, error: errors.GatewayError, rid: str, started: float, socket: dict[str, Any] | None
-    ) -> None:
-        """The fields of the pipeline's refusal line (and, for a turn, its socket's)."""
-        access = self.pipeline.access
-        if access is not None:
-            fields = {
-                "request_id": rid,
-                "tenant": None,
-                "model": None,
-                "status": error.status,
-                "total_ms": round((time.perf_counter() - started) * 1000.0, 3),
-                "rejected_by": "gateway",
-                "error": error.code or error.type,
-                **(socket or {}),
-            }
-            access.info("%s %d", what, error.status, extra={"fields": fields})
+        if self.pipeline.access is not None:
+            refusal_line(self.pipeline.access, what, error, rid, started)
 
     async def refused(
         self, session: Session, error: errors.GatewayError, lane: str | None, turn: int, started: float
@@ -188,49 +173,30 @@ class Sockets:
         """A turn refused before the pipeline (a bad message, an unknown model): its error event, counted and
         logged as the HTTP path counts and logs a request it refuses before routing."""
         await session.refuse(error, lane)
-        telemetry = self.pipeline.telemetry
-        if telemetry is not None:
-            telemetry.rejected(error.status)
         socket: dict[str, Any] = {"sluice.transport": "websocket", "sluice.socket": session.ident, "sluice.turn": turn}
         if lane is not None:
             socket["sluice.stream_id"] = lane
-        self._refusal_line("responses", error, request.new_request_id(), started, socket)
+        self.intake.refused(error, request.new_request_id(), "responses", started, None, socket)
 
-    async def run(
-        self, session: Session, body: dict[str, Any], started: float, receive: Receive, send: Responder, turn: int
-    ) -> None:
-        """One turn as a Responses create through the pipeline, as the HTTP path routes one (pipeline._route)."""
+    async def run(self, session: Session, body: dict[str, Any], started: float, send: Responder, turn: int) -> None:
+        """One turn as a Responses create: built by the intake as the HTTP path builds one, through the pipeline."""
         self.turns += 1
         if self.counter is not None:
             self.counter.labels(self.tenant_label(session.tenant)).inc()
-        pipeline = self.pipeline
+        intake = self.intake
         rid = request.new_request_id()
         raw = orjson.dumps(body)
         headers = [*session.headers, (b"x-request-id", rid.encode())]
         lane = send.lane
         try:
-            ex = request.parse("responses", headers, raw, started, rid)
+            ex = intake.openai.parse("responses", headers, raw, started, rid)
+            ex.attributes["sluice.transport"] = "websocket"  # the turn's span and access line name its socket
+            ex.attributes["sluice.socket"] = session.ident
+            ex.attributes["sluice.turn"] = turn
+            if lane is not None:
+                ex.attributes["sluice.stream_id"] = lane
+            intake.aim(intake.openai, ex)
         except errors.GatewayError as exc:
             await self.refused(session, exc, lane, turn, started)
             return
-        ex.mark("parse", started)
-        ex.attributes["sluice.transport"] = "websocket"  # the turn's span and access line name its socket
-        ex.attributes["sluice.socket"] = session.ident
-        ex.attributes["sluice.turn"] = turn
-        if lane is not None:
-            ex.attributes["sluice.stream_id"] = lane
-        chain = pipeline.chains.get(ex.model)
-        if chain is None:
-            error = errors.NotFoundError(f"The model `{ex.model}` does not exist", param="model")
-            await self.refused(session, error, lane, turn, started)
-            return
-        ex.targets = list(chain)
-        if pipeline.upstreams.loading:
-            around_loading(ex, pipeline.upstreams.loading)
-        if pipeline.route is not None:
-            try:
-                pipeline.route(ex)
-            except errors.GatewayError as exc:
-                await self.refused(session, exc, lane, turn, started)
-                return
-        await pipeline.serve(ex, receive, send)
+        await self.pipeline.serve(ex, send)

@@ -144,7 +144,15 @@ class Direct:
             if not waiter.done():
                 waiter.set_result(None)
 
-    # Called by the pipeline.
+    # Called by the intake and the pipeline (server/responder.py: the direct cycle is a responder).
+    def watch(self, gone: Callable[[], None]) -> None:
+        self.gone = gone
+        if self.disconnected:  # gone while the request was parsed
+            gone()
+
+    def unwatch(self) -> None:
+        self.gone = None
+
     def whole(self) -> bytes | None:
         """The body, if all of it is here and nothing is owed first (a 100 Continue); else None: receive()."""
         if self.more_body or self.waiting_for_100_continue or self.disconnected:

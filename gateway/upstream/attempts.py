@@ -230,6 +230,20 @@ class Upstreams:
         assert failure is not None
         raise failure
 
+    async def once(self, ex: Exchange, target: Target) -> Opened:
+        """One attempt on one target, without deadlines, hedging or another try: an operation on what that
+        target stored (a stored response read, cancelled or deleted), which no other target could serve."""
+        ex.targets = [target]
+        started = time.perf_counter()
+        try:
+            opened = await self._first(ex, target, False)
+        except PoolError as exc:
+            raise from_pool_error(exc, target.backend, target.model) from None
+        finally:
+            ex.upstream_ms += (time.perf_counter() - started) * 1000.0
+        _served(ex, opened, target, None)
+        return opened
+
     async def _hedged(self, ex: Exchange, first: Target, second: Target, after_ms: float) -> tuple[Opened, Target]:
         """`first`, and `second` too if `first` has no first token after `after_ms`; the faster one wins."""
         loop = asyncio.get_running_loop()

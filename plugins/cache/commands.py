@@ -226,7 +226,7 @@ async def send(runtime: Runtime, line: Line) -> str:
         else:
             parts.append(message.get("body", b""))
 
-    await runtime.pipeline.handle(scope, receive, collect, line.endpoint)
+    await runtime.intake.asgi(runtime.intake.openai, scope, receive, collect, line.endpoint)
     verdict = answer.get("x-sluice-cache", b"").decode()
     if status != 200:
         try:

@@ -542,7 +542,7 @@ async def _through_pipeline(runtime: Runtime, model: str, texts: Sequence[str]) 
         else:
             parts.append(message.get("body", b""))
 
-    await runtime.pipeline.handle(scope, receive, collect, "embeddings")
+    await runtime.intake.asgi(runtime.intake.openai, scope, receive, collect, "embeddings")
     answer = b"".join(parts)
     if status != 200:
         raise EvaluationError(f"model {model} answered {status}: {answer[:300].decode('utf-8', 'replace')}", 1)

@@ -41,12 +41,15 @@ def answer(pieces: list[bytes], status: int = 200, lane: str | None = None, many
     async def send(message: Any) -> None:
         sent.append(message)
 
-    responder = Responder(send, lane, many)
+    async def receive() -> Any:
+        raise AssertionError("a turn that is not watched never reads its receive")
+
+    responder = Responder(send, receive, lane, many)
 
     async def run() -> None:
-        await responder({"type": "http.response.start", "status": status, "headers": [(b"retry-after", b"2")]})
+        await responder.send({"type": "http.response.start", "status": status, "headers": [(b"retry-after", b"2")]})
         for i, piece in enumerate(pieces):
-            await responder({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
+            await responder.send({"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1})
 
     asyncio.run(run())
     texts: list[str] = []

@@ -1,6 +1,6 @@
 """Roles: whether two prompts name the same things in exchanged roles ("X to Y" / "Y into X", "does X affect Y" /
 "what effect does Y have on X", "did A beat B" / "did B win against A"), read from their profiles' content
-words in order, with relation markers and "and"/"or" kept as tags (guards.py makes the profiles).
+words in order, with relation markers and "and"/"or" kept as tags (profiles.py makes the profiles).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from plugins.semantic_cache import lexicon
 from plugins.semantic_cache.vocabulary import COORDINATOR_TAG
 
 if TYPE_CHECKING:
-    from plugins.semantic_cache.guards import Profile
+    from plugins.semantic_cache.profiles import Profile
 
 Arguments = tuple[tuple[str, ...], tuple[str, ...]]
 

@@ -63,7 +63,7 @@ from plugins.semantic_cache.profiles import (
     stem,
 )
 from plugins.semantic_cache.profiles import profile as profile
-from plugins.semantic_cache.roles import marker_swapped, roles_swapped
+from plugins.semantic_cache.roles import ends_crossed, marker_swapped, roles_swapped
 from plugins.semantic_cache.vocabulary import COORDINATOR_TAG, OPPOSITES, ORDER_TAGS, QUANTIFIERS, UNITS
 
 __all__ = ["CHECKS", "SUBSTITUTION", "Check", "Profile", "compare", "profile", "stem", "veto"]
@@ -190,6 +190,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("antonym", "antonym", _antonyms),
     ("numbers reordered", "order", _numbers_reordered),
     ("relation sides", "order", lambda a, b: marker_swapped(a, b) or marker_swapped(b, a)),
+    ("source and target", "order", ends_crossed),
     ("roles", "order", roles_swapped),
     ("scope word", "scope", _scoped),
     ("instruction", "scope", lambda a, b: a.instructions != b.instructions),

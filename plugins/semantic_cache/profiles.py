@@ -126,8 +126,16 @@ class Profile:
     words: frozenset[str] = frozenset()  # every word, lower case, as written (for affixes and antonyms)
     instructions: frozenset[str] = frozenset()  # kinds of length, depth or format instruction (lexicon.py)
     subject: str = ""  # the subject of a question ("does caffeine affect ..."), as its content stem, or ""
+    passive: bool = False  # a passive verb with its agent ("be replaced by X"): its words' order reads reversed
 
 
+# A passive verb with its agent: a form of "be" or "get", a participle ("-ed", "-en", or an irregular one) and
+# "by": "can butter be replaced by oil" says what "can oil replace butter" says, its two things in the other order.
+_PASSIVE = re.compile(
+    r"\b(?:is|are|was|were|be|been|being|gets?|got|gotten)\s+(?:\w+ly\s+)?"
+    r"(?:\w+(?:ed|en|wn|ne)|beat|bought|caught|made|paid|sold|taught|thought|told|held|kept|left|lost|led|sent|"
+    r"spent|built|brought|found|won|hit|put|set|cut|run|sung|swung|struck|understood)\s+by\b"
+)
 _HYPHENATED_PREFIX = re.compile(r"\b(non|un|anti|dis)-(?=[a-z])", re.IGNORECASE)
 # A one-letter language name ("C", "R") only where a language stands: "in C", "C code", not "vitamin C".
 _LANGUAGE_BEFORE = frozenset(_words("in using with for to from into write learn"))
@@ -286,9 +294,12 @@ class _Reader:
             self.units.add(UNITS[w])
             self._keep(UNITS[w], token)
             return True
-        named = w not in _AMBIGUOUS_LANGUAGES or (token.capitalised and not token.sentence_start)
+        after = self.words[i + 1] if i + 1 < len(self.words) else ""
+        # A capital names the language ("learn Ruby"), at a sentence's start too when compared ("Ruby vs Python").
+        named = w not in _AMBIGUOUS_LANGUAGES or (
+            token.capitalised and (not token.sentence_start or after in COORDINATORS)
+        )
         if named and len(w) == 1:
-            after = self.words[i + 1] if i + 1 < len(self.words) else ""
             named = before in _LANGUAGE_BEFORE or after in _LANGUAGE_AFTER
         if w in LANGUAGES and named and not (w == "c" and is_number):  # "20 C" is a temperature
             self.languages.add(LANGUAGES[w])
@@ -342,10 +353,15 @@ def _runs(tokens: list[Token]) -> tuple[tuple[str, frozenset[str]], ...]:
     return tuple(runs)
 
 
+def _numeric_word(w: str) -> bool:
+    return w[:1].isdigit() or w in NUMBER_WORDS or w in MULTIPLIERS or w in ORDINALS
+
+
 def profile(text: str) -> Profile:
     """Reduce a prompt to what the comparison needs (see the module's docstring and guards.py)."""
     text = lexicon.spell_out(text)
     told = lexicon.instructions(text.lower())
+    text = lexicon.without_instructions(text, _numeric_word) if told else text
     text = _HYPHENATED_PREFIX.sub(r"\1", text)  # "non-toxic" is one word, "nontoxic", as "unsafe" is
     tokens = _tokens(text)
     words = [t.word for t in tokens]
@@ -377,6 +393,7 @@ def profile(text: str) -> Profile:
         words=frozenset(words),
         instructions=told,
         subject=_subject(tokens),
+        passive=bool(_PASSIVE.search(text.lower())),
     )
 
 

@@ -26,14 +26,18 @@ What separates them is *what differs* between the two prompts. The rule:
      trading roles: the words on the two sides of a relation marker changing sides ("X to Y" / "Y into X",
      "A than B" / "B than A", "X instead of Y" / "Y for X"), the subject of a question becoming its object
      ("does X affect Y" / "what effect does Y have on X", "how many X are in a Y" / "how many Y ... X"), two
-     named things in the other order around a relation ("did A beat B" / "did B win against A"), two kinds of
-     one thing swapped ("brown rice ... white rice"); a mere reordering that moves a whole phrase ("in Python,
-     how do I ..." / "how do I ... in Python"), an adjective ("the best way" / "which way ... is the best")
-     or things joined by "and", "or", "vs" is not;
+     named things in the other order around a relation ("did A beat B" / "did B win against A"), two things in
+     the other order around one verb or that verb's noun ("can X replace Y" / "is Y a good replacement for
+     X"), the source of one the target of the other whichever of "from" and "to" says it ("from X to Y" / "to
+     X from Y"), two kinds of one thing swapped ("brown rice ... white rice"); a mere reordering that moves a
+     whole phrase ("in Python, how do I ..." / "how do I ... in Python"), an adjective ("the best way" / "which
+     way ... is the best"), a passive with its agent ("can Y be replaced by X") or things joined by "and",
+     "or", "vs" is not;
    - "scope": a scope word on one side only ("all", "every", "only", "total", "average", "recursively",
      "daily" = "each day", ...), different quantifiers on the two sides ("most cats" / "any cats"), or another
      length, depth or format instruction ("in one sentence", "in detail", "step by step", "in bullet points",
-     "like I'm five", "with examples", "just the answer");
+     "like I'm five", "with examples", "just the answer"), compared as kinds of instruction: its own words
+     ("in a single sentence", "only") count for no other rule, its numbers still do;
    - "substitution" (strict mode, the default): the same request with exactly one content word swapped for
      another ("sugar" / "flour", "dogs" / "cats", "car loan" / "student loan"). Look-alikes are mostly made so,
      and true paraphrases seldom differ by one content word alone; the rule costs the recall of those that do

@@ -63,6 +63,7 @@ from plugins.semantic_cache.profiles import (
     OPEN_MEASURE,
     OPEN_MEASURES,
     Profile,
+    canonical,
     normal_text,
     stem,
 )
@@ -141,7 +142,18 @@ def _substituted(a: Profile, b: Profile) -> bool:
         return False  # "how long" / "how many hours": the unit the other leaves open
     if _same_name(x, y) or _agent(x, y) or _agent(y, x) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
         return False
+    if _slipped(_written(a.words - b.words, x), _written(b.words - a.words, y)):
+        return False  # "working" / "wrking": a slip of the written word that its stem no longer shows
     return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})
+
+
+def _written(words: frozenset[str], content_word: str) -> list[str]:
+    """The words as written that a content word was read from."""
+    return [w for w in words if canonical(stem(w)) == content_word]
+
+
+def _slipped(written_a: list[str], written_b: list[str]) -> bool:
+    return any(lexicon.typo_of(u, v) for u in written_a for v in written_b)
 
 
 # A verb framing the request, or a quantifier (compared by the scope rule): not what the request is about.

@@ -138,6 +138,7 @@ VETOED_BY_RULE = [
     ("order", "Is rye bread better for you than white bread?", "Is white bread better for your health than rye?"),
     # the source of one the target of the other, whichever of "from" and "to" says it
     ("order", "How long is the ferry from Dover to Calais?", "How long is the ferry to Dover from Calais?"),
+    ("order", "Convert Celsius to Fahrenheit", "Get Celsius from Fahrenheit"),
     (
         "order",
         "Ship my parcel from Lower Saxony to New South Wales",
@@ -179,6 +180,8 @@ HARMLESS_BY_RULE = [
     # the words of an instruction are the instruction's: "a single" is "one" there, not a scope word
     ("Explain inflation in one sentence", "Explain inflation in a single sentence"),
     ("Python vs Ruby for scripting?", "Ruby vs Python for scripting?"),  # "vs" has no direction
+    ("Convert Celsius to Fahrenheit", "Get Fahrenheit from Celsius"),  # "Y from X" is "X to Y"
+    ("How do mortgage rates affect rents?", "How do mortgage raets affect rents?"),  # a slip its stem hides
 ]
 
 

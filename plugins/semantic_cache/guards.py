@@ -49,7 +49,7 @@ What separates them is *what differs* between the two prompts. The rule:
 Cost: no model and no I/O. A profile is a few regular-expression passes and a loop over the words; a
 comparison of two profiles is a handful of set operations, the rules in order (`CHECKS`), stopping at the first
 that vetoes. `sluice cache evaluate` prints each rule's time per check: on a shared 2-core machine a profile took
-about 280 µs and the whole comparison about 70 µs, the relation-sides and roles rules being the dearest.
+130 to 240 µs and the whole comparison about 70 µs, the affix, relation-sides and roles rules the dearest.
 A store can keep each entry's profile beside its vector, so that a lookup profiles only the query, once,
 whatever the number of candidates.
 """

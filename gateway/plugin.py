@@ -67,7 +67,7 @@ BUILTIN_COMMANDS = {
         "plugins.cache.commands",
         "prefill the cache from a file of requests; its stats; purge a tenant; evaluate (see `sluice semantic`)",
     ),
-    "semantic": ("plugins.semantic_cache.evaluation", "measure the semantic cache's false hits on labelled pairs"),
+    "semantic": ("plugins.semantic_cache.command", "measure the semantic cache's false hits on labelled pairs"),
 }
 # An action offered under another command, where users look for it: (command, action) -> the command that owns
 # it. `sluice cache evaluate` measures the semantic cache: the semantic_cache plugin owns it (`sluice semantic

@@ -4,12 +4,8 @@ A sentence embedding scores look-alikes ("convert 5 km to miles" / "convert 50 k
 "... in Java", "convert X to Y" / "convert Y to X") as near as true paraphrases, so no threshold separates them.
 What separates them is *what differs* between the two prompts. The rule:
 
-1. Each prompt is reduced once to a `Profile`: chat shorthand spelled out ("u" -> "you", "w/o" -> "without"),
-   its word tokens lowercased, contractions split ("don't" -> "do not"), possessives dropped, a tiny suffix
-   stemmer applied ("boiling", "boiled", "boils" -> "boil"), common synonyms folded ("costly" -> "expensive",
-   lexicon.py), and stop words and politeness or filler words ("please", "can you", "hey", "thanks") set
-   aside; plus what it holds of each kind below, normalised ("two" = "2", "kilograms" = "kg", "js" =
-   "javascript", "1,000" = "1000").
+1. Each prompt is reduced once to a `Profile` (profiles.py): its words stemmed, synonyms and shorthand folded,
+   stop and filler words set aside, plus what it holds of each kind below, normalised ("two" = "2").
 2. Two profiles are compared kind by kind, and the first kind in which they differ is the verdict:
    - "quoted": a quoted string of one ("...", “...”, '...') whose words do not appear in the other;
    - "code": a code identifier of one (backticked, snake_case, camelCase, dotted, `call()`, `--flag`) absent
@@ -30,14 +26,18 @@ What separates them is *what differs* between the two prompts. The rule:
      trading roles: the words on the two sides of a relation marker changing sides ("X to Y" / "Y into X",
      "A than B" / "B than A", "X instead of Y" / "Y for X"), the subject of a question becoming its object
      ("does X affect Y" / "what effect does Y have on X", "how many X are in a Y" / "how many Y ... X"), two
-     named things in the other order around a relation ("did A beat B" / "did B win against A"), two kinds of
-     one thing swapped ("brown rice ... white rice"); a mere reordering that moves a whole phrase ("in Python,
-     how do I ..." / "how do I ... in Python"), an adjective ("the best way" / "which way ... is the best")
-     or things joined by "and", "or", "vs" is not;
+     named things in the other order around a relation ("did A beat B" / "did B win against A"), two things in
+     the other order around one verb or that verb's noun ("can X replace Y" / "is Y a good replacement for
+     X"), the source of one the target of the other whichever of "from" and "to" says it ("from X to Y" / "to
+     X from Y"), two kinds of one thing swapped ("brown rice ... white rice"); a mere reordering that moves a
+     whole phrase ("in Python, how do I ..." / "how do I ... in Python"), an adjective ("the best way" / "which
+     way ... is the best"), a passive with its agent ("can Y be replaced by X") or things joined by "and",
+     "or", "vs" is not;
    - "scope": a scope word on one side only ("all", "every", "only", "total", "average", "recursively",
      "daily" = "each day", ...), different quantifiers on the two sides ("most cats" / "any cats"), or another
      length, depth or format instruction ("in one sentence", "in detail", "step by step", "in bullet points",
-     "like I'm five", "with examples", "just the answer");
+     "like I'm five", "with examples", "just the answer"), compared as kinds of instruction: its own words
+     ("in a single sentence", "only") count for no other rule, its numbers still do;
    - "substitution" (strict mode, the default): the same request with exactly one content word swapped for
      another ("sugar" / "flour", "dogs" / "cats", "car loan" / "student loan"). Look-alikes are mostly made so,
      and true paraphrases seldom differ by one content word alone; the rule costs the recall of those that do
@@ -49,382 +49,29 @@ What separates them is *what differs* between the two prompts. The rule:
 Cost: no model and no I/O. A profile is a few regular-expression passes and a loop over the words; a
 comparison of two profiles is a handful of set operations, the rules in order (`CHECKS`), stopping at the first
 that vetoes. `sluice cache evaluate` prints each rule's time per check: on a shared 2-core machine a profile took
-about 280 µs and the whole comparison about 70 µs, the relation-sides and roles rules being the dearest.
+130 to 240 µs and the whole comparison about 70 µs, the affix, relation-sides and roles rules the dearest.
 A store can keep each entry's profile beside its vector, so that a lookup profiles only the query, once,
 whatever the number of candidates.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import lru_cache
 
 from plugins.semantic_cache import lexicon
-from plugins.semantic_cache.roles import marker_swapped, roles_swapped
-from plugins.semantic_cache.vocabulary import (
-    _AMBIGUOUS_LANGUAGES,
-    _AMBIGUOUS_SEASONS,
-    _AMBIGUOUS_UNITS,
-    _INFINITIVE_TAKERS,
-    _MARKER_SAME,
-    _SEASON_CUES,
-    COORDINATOR_TAG,
-    COORDINATORS,
-    DATE_WORDS,
-    FILLER_WORDS,
-    LANGUAGES,
-    MONTHS,
-    MULTIPLIERS,
-    NEGATIONS,
-    NUMBER_WORDS,
-    OPPOSITES,
-    ORDER_MARKERS,
-    ORDER_TAGS,
-    ORDINALS,
-    OTHER_NUMBERS,
-    PERIODS,
-    QUANTIFIERS,
-    SCOPE_SYNONYMS,
-    SCOPE_WORDS,
-    STOP_WORDS,
-    UNITS,
-    WEEKDAYS,
-    _words,
+from plugins.semantic_cache.profiles import (
+    OPEN_MEASURE,
+    OPEN_MEASURES,
+    Profile,
+    canonical,
+    normal_text,
+    stem,
 )
+from plugins.semantic_cache.profiles import profile as profile
+from plugins.semantic_cache.roles import ends_crossed, marker_swapped, roles_swapped
+from plugins.semantic_cache.vocabulary import COORDINATOR_TAG, OPPOSITES, ORDER_TAGS, QUANTIFIERS, UNITS
 
-# --- tokens -------------------------------------------------------------------------------------------------
-
-_TOKEN = re.compile(
-    r"[$€£¥]"
-    r"|-?\d+(?:,\d{3})*(?:\.\d+)?(?:st|nd|rd|th)?(?![\d])"
-    r"|[A-Za-z][A-Za-z0-9]*(?:\+\+|#)?(?:['\u2019][A-Za-z]+)?"
-    r"|°[CFcf]|%"
-)
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
-_ORDINAL_DIGITS = re.compile(r"(\d+)(?:st|nd|rd|th)$")
-_DIGITS_THEN_LETTERS = re.compile(r"^(\d+(?:\.\d+)?)([a-z°%]+)$")
-_SENTENCE_BREAK = re.compile(r"[.!?:;\n]")
-_CLAUSE_BREAK = re.compile(r"[.!?;\n]")
-_QUOTED = re.compile(
-    r'"([^"\n]{1,200})"'
-    r"|\u201c([^\u201d\n]{1,200})\u201d"  # curly double quotes
-    r"|(?<![\w'\u2019])['\u2018]([^'\u2019\u2018\n]{1,200})['\u2019](?!\w)"  # single quotes, not apostrophes
-)
-_CODE = re.compile(
-    r"`([^`\n]+)`"  # backticked
-    r"|(?<![\w.])[A-Za-z_][A-Za-z0-9]*_[A-Za-z0-9_]+"  # snake_case
-    r"|(?<![\w.])[a-z]+[A-Z][A-Za-z0-9]*"  # camelCase
-    r"|(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?"  # dotted (os.path.join, node.js)
-    r"|(?<![\w.])[A-Za-z_]\w*\(\)"  # call()
-    r"|(?<![\w-])--?[A-Za-z][\w-]*"  # --flag, -l
-)
-_ACRONYM = re.compile(r"^[A-Z][A-Z0-9&]+s?$")
-
-
-@lru_cache(maxsize=16384)  # a vocabulary repeats: the stems of the words seen are kept
-def stem(word: str) -> str:
-    """A tiny suffix stemmer: the same stem for a word's common inflections (plural, -ing, -ed, -ly)."""
-    w = word
-    if len(w) > 4 and w.endswith("ies"):
-        w = w[:-3] + "y"
-    elif len(w) > 4 and w.endswith(("sses", "ches", "shes", "xes", "zes")):
-        w = w[:-2]
-    elif len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is")):
-        w = w[:-1]
-    if len(w) > 5 and w.endswith("ing"):
-        w = w[:-3]
-    elif (len(w) > 4 and w.endswith("ed")) or (len(w) > 5 and w.endswith("ly")):
-        w = w[:-2]
-    if len(w) > 3 and w[-1] == w[-2] and w[-1] not in "aeiouls":
-        w = w[:-1]  # running -> runn -> run
-    if len(w) > 3 and w.endswith("e"):
-        w = w[:-1]  # bake, baked, baking -> bak
-    return w
-
-
-@dataclass(frozen=True)
-class Token:
-    word: str  # lower case, contraction and possessive removed
-    capitalised: bool  # starts with a capital (acronyms too)
-    acronym: bool
-    sentence_start: bool
-    clause: int  # index of the sentence it is in
-
-
-@dataclass(frozen=True)
-class Profile:
-    """What one prompt holds, for comparisons: computed once per prompt."""
-
-    text: str  # lower case, words separated by single spaces (for "does the other contain this phrase")
-    content: tuple[str, ...]  # content word stems in order (stop and filler words out), with order markers kept
-    clauses: tuple[int, ...]  # the clause of each content entry
-    stems: frozenset[str]  # every word's stem, stop words included
-    quoted: tuple[str, ...]
-    code: frozenset[str]
-    languages: frozenset[str]
-    numbers: tuple[float, ...]  # in order of appearance; 1 left out, as "one" and "a" are alike
-    dates: frozenset[str]
-    units: frozenset[str]
-    negated: bool
-    entities: frozenset[str]  # stems
-    runs: tuple[
-        tuple[str, frozenset[str]], ...
-    ]  # runs of capitalised words: (initials, stems), "nyc" for New York City
-    scope: frozenset[str]
-    quantifiers: frozenset[str]
-    words: frozenset[str] = frozenset()  # every word, lower case, as written (for affixes and antonyms)
-    instructions: frozenset[str] = frozenset()  # kinds of length, depth or format instruction (lexicon.py)
-    subject: str = ""  # the subject of a question ("does caffeine affect ..."), as its content stem, or ""
-
-
-_HYPHENATED_PREFIX = re.compile(r"\b(non|un|anti|dis)-(?=[a-z])", re.IGNORECASE)
-# A one-letter language name ("C", "R") only where a language stands: "in C", "C code", not "vitamin C".
-_LANGUAGE_BEFORE = frozenset(_words("in using with for to from into write learn"))
-_LANGUAGE_AFTER = frozenset(
-    _words("code program programs programming language function functions script library compiler pointer array")
-)
-# "How long", "how far", "how much": a question that leaves the answer's unit open matches one that names it.
-_OPEN_MEASURE = re.compile(r"\bhow (?:long|far|much|many|big|heavy|fast|tall|old|hot|cold|often)\b")
-_OPEN_MEASURES = frozenset(_words("long far much big heavy fast tall old hot cold often"))
-_STEM_SYNONYM: dict[str, str] = {}
-
-
-def _canonical(s: str) -> str:
-    """A content word's stem, a synonym folded into its group's first word ("costly" -> "expens")."""
-    if not _STEM_SYNONYM:
-        for word, canonical in lexicon.SYNONYM.items():
-            _STEM_SYNONYM[stem(word)] = stem(canonical)
-    return _STEM_SYNONYM.get(s, s)
-
-
-def _normal_text(text: str) -> str:
-    return " ".join(re.findall(r"[a-z0-9+#]+", text.lower()))
-
-
-def _tokens(text: str) -> list[Token]:
-    tokens: list[Token] = []
-    previous_end = 0
-    clause = 0
-    for match in _TOKEN.finditer(text):
-        between = text[previous_end : match.start()]
-        if _CLAUSE_BREAK.search(between):
-            clause += 1
-        raw = match.group()
-        start = not tokens or bool(_SENTENCE_BREAK.search(between))
-        previous_end = match.end()
-        lower = raw.lower().replace("\u2019", "'")
-        negation = False
-        if lower.endswith("n't"):
-            negation = True
-            lower = {"won't": "will", "can't": "can", "shan't": "shall"}.get(lower, lower[:-3])
-        elif "'" in lower:
-            lower = lower.split("'")[0]  # possessives and 're / 've / 'll / 'd / 'm
-        acronym = bool(_ACRONYM.match(raw)) and raw not in ("I", "A")
-        tokens.append(Token(lower, raw[0].isupper(), acronym, start, clause))
-        if lower == "free" and text[match.start() - 1 : match.start()] == "-":
-            negation = True  # "gluten-free", "chemical-free": without
-        if negation:
-            tokens.append(Token("not", False, False, False, clause))
-    return tokens
-
-
-def _numbers_from_words(words: list[str]) -> tuple[list[tuple[int, float]], set[int]]:
-    """Numbers written in words ("twenty five", "two hundred", "a dozen") with their first token's position, and
-    the token positions they used."""
-    found: list[tuple[int, float]] = []
-    used: set[int] = set()
-    current: float | None = None
-    begun = 0
-    for i, w in enumerate(words):
-        if w in NUMBER_WORDS:
-            if current is None:
-                begun = i
-            current = (current or 0) + NUMBER_WORDS[w]
-            used.add(i)
-        elif w in MULTIPLIERS and (current is not None or (i > 0 and words[i - 1] in ("a", "one"))):
-            if current is None:
-                begun = i
-            current = (current if current is not None else 1) * MULTIPLIERS[w]
-            used.add(i)
-        else:
-            if current is not None:
-                found.append((begun, current))
-                current = None
-            if w in OTHER_NUMBERS:
-                found.append((i, OTHER_NUMBERS[w]))
-                used.add(i)
-    if current is not None:
-        found.append((begun, current))
-    return found, used
-
-
-def profile(text: str) -> Profile:
-    """Reduce a prompt to what the comparison needs (see the module's docstring)."""
-    text = lexicon.spell_out(text)
-    told = lexicon.instructions(text.lower())
-    text = _HYPHENATED_PREFIX.sub(r"\1", text)  # "non-toxic" is one word, "nontoxic", as "unsafe" is
-    tokens = _tokens(text)
-    words = [t.word for t in tokens]
-    inner = [t for t in tokens if t.word[:1].isalpha() and len(t.word) > 3 and not t.sentence_start]
-    # Title Case ("Best Way To Cook Rice") says nothing about names: capitals count only as acronyms there.
-    title_case = len(inner) >= 3 and sum(t.capitalised for t in inner) >= 0.75 * len(inner)
-
-    numbers: list[tuple[int, float]] = []
-    dates: set[str] = set()
-    units: set[str] = set()
-    languages: set[str] = set()
-    entities: set[str] = set()
-    scope: set[str] = set()
-    content: list[str] = []
-    clauses: list[int] = []
-    quantifiers: set[str] = set()
-    negated = False
-    word_numbers, used = _numbers_from_words(words)
-    after_number = False
-    for i, token in enumerate(tokens):
-        w = token.word
-        is_number = after_number
-        after_number = False
-        before = words[i - 1] if i else ""
-        if w in QUANTIFIERS:
-            quantifiers.add({"every": "all", "each": "all", "no": "none"}.get(w, w))
-        if w in PERIODS and before in ("each", "every", "per", "a", "an"):
-            scope.add(PERIODS[w])  # "each day" is "daily"
-            continue
-        ordinal = _ORDINAL_DIGITS.match(w)
-        mixed = _DIGITS_THEN_LETTERS.match(w) if w[:1].isdigit() or w[:1] == "-" else None
-        if ordinal:
-            numbers.append((i, -1000.0 - int(ordinal.group(1))))  # ordinals kept apart from cardinals
-            after_number = True
-            continue
-        if _NUMBER.fullmatch(w):
-            value = float(w.replace(",", ""))
-            numbers.append((i, value))
-            if 1000 <= value <= 2100 and value.is_integer() and "," not in w:
-                dates.add(str(int(value)))
-            after_number = True
-            continue
-        if mixed:  # 5kg, 10am, 3pm, 100ms
-            numbers.append((i, float(mixed.group(1))))
-            suffix = mixed.group(2)
-            if suffix in ("am", "pm"):
-                dates.add(suffix)
-            elif suffix in UNITS:
-                units.add(UNITS[suffix])
-            continue
-        if i in used:
-            after_number = True
-            continue
-        if w in ORDINALS and w not in ("first", "second", "last"):
-            numbers.append((i, -1000.0 - ORDINALS[w]))
-            continue
-        if w in UNITS and (w not in _AMBIGUOUS_UNITS or is_number):
-            units.add(UNITS[w])
-            content.append(UNITS[w])
-            clauses.append(token.clause)
-            continue
-        named = w not in _AMBIGUOUS_LANGUAGES or (token.capitalised and not token.sentence_start)
-        if named and len(w) == 1:
-            after = words[i + 1] if i + 1 < len(words) else ""
-            named = before in _LANGUAGE_BEFORE or after in _LANGUAGE_AFTER
-        if w in LANGUAGES and named and not (w == "c" and is_number):  # "20 C" is a temperature
-            languages.add(LANGUAGES[w])
-            content.append(LANGUAGES[w])
-            clauses.append(token.clause)
-            continue
-        if w in MONTHS and (w != "may" or token.capitalised):
-            dates.add(f"month{MONTHS[w]}")
-            continue
-        if w in WEEKDAYS or w in DATE_WORDS or (w in _AMBIGUOUS_SEASONS and before in _SEASON_CUES):
-            dates.add(w)
-            continue
-        if w in NEGATIONS:
-            negated = True
-            continue
-        if w == "to" and before in _INFINITIVE_TAKERS:
-            continue  # "how to", "possible to bring": an infinitive, not a direction
-        if w in ORDER_MARKERS:
-            content.append(f"<{_MARKER_SAME.get(w, w)}>")
-            clauses.append(token.clause)
-            continue
-        if w in COORDINATORS:
-            content.append(COORDINATOR_TAG)
-            clauses.append(token.clause)
-            continue
-        if w in STOP_WORDS or w in FILLER_WORDS:
-            continue
-        s = stem(w)
-        if w in SCOPE_WORDS and not (w in ("each", "every") and i + 1 < len(words) and words[i + 1] in PERIODS):
-            scope.add(SCOPE_SYNONYMS.get(w, w))
-        if (
-            token.acronym
-            or any(c.isdigit() for c in w)
-            or (token.capitalised and not token.sentence_start and not title_case)
-        ):
-            entities.add(s)
-        content.append(_canonical(s))
-        clauses.append(token.clause)
-
-    numbers.extend(word_numbers)
-    numbers.sort()
-    capitalised_run: list[str] = []
-    runs: list[tuple[str, frozenset[str]]] = []
-    for token in [*tokens, Token("", False, False, False, -1)]:
-        if token.capitalised and token.word.isalpha() and token.word not in STOP_WORDS:
-            capitalised_run.append(token.word)
-            continue
-        if len(capitalised_run) >= 2:
-            runs.append(("".join(w[0] for w in capitalised_run), frozenset(stem(w) for w in capitalised_run)))
-        capitalised_run = []
-
-    quoted = tuple(_normal_text(next(g for g in m.groups() if g is not None)) for m in _QUOTED.finditer(text))
-    code = frozenset(m.group(1 if m.group(1) is not None else 0).strip().lower() for m in _CODE.finditer(text))
-    return Profile(
-        text=f" {_normal_text(text)} ",
-        content=tuple(content),
-        clauses=tuple(clauses),
-        stems=frozenset(stem(w) for w in words),
-        quoted=tuple(q for q in quoted if q),
-        code=code,
-        languages=frozenset(languages),
-        numbers=tuple(value for _, value in numbers if value != 1),
-        dates=frozenset(dates),
-        units=frozenset(units),
-        negated=negated,
-        entities=frozenset(entities),
-        runs=tuple(runs),
-        scope=frozenset(scope),
-        quantifiers=frozenset(quantifiers),
-        words=frozenset(words),
-        instructions=told,
-        subject=_subject(tokens),
-    )
-
-
-# Auxiliaries that put a subject before a verb ("does X affect Y", "can X lead to Y"); "is" is left out, as
-# "what is the meaning of X" has no subject-verb order to read.
-_AUXILIARIES = frozenset(_words("do does did can could will would should"))
-_DETERMINERS = frozenset(_words("a an the my your his her their our its this that these those some any"))
-
-
-def _subject(tokens: list[Token]) -> str:
-    """The subject of a question: the first word after its first auxiliary ("How does caffeine affect sleep?",
-    "What effect does sleep have on caffeine?") or what "how many" counts ("how many cups are in a gallon"),
-    unless a pronoun is there."""
-    for i, token in enumerate(tokens):
-        counted = token.word in ("many", "much") and i > 0 and tokens[i - 1].word == "how"
-        if token.word not in _AUXILIARIES and not counted:
-            continue
-        j = i + 1
-        while j < len(tokens) and tokens[j].word in _DETERMINERS:
-            j += 1
-        if j >= len(tokens) or tokens[j].word in STOP_WORDS or tokens[j].word in FILLER_WORDS:
-            return ""
-        word = tokens[j].word
-        return UNITS[word] if word in UNITS else _canonical(stem(word))
-    return ""
+__all__ = ["CHECKS", "SUBSTITUTION", "Check", "Profile", "compare", "profile", "stem", "veto"]
 
 
 def _quoted_missing(a: Profile, b: Profile) -> bool:
@@ -432,7 +79,7 @@ def _quoted_missing(a: Profile, b: Profile) -> bool:
 
 
 def _code_missing(a: Profile, b: Profile) -> bool:
-    return any(c not in b.code and f" {_normal_text(c)} " not in b.text for c in a.code)
+    return any(c not in b.code and f" {normal_text(c)} " not in b.text for c in a.code)
 
 
 def _expanded(a: Profile, b: Profile) -> set[str]:
@@ -491,11 +138,22 @@ def _substituted(a: Profile, b: Profile) -> bool:
         return False
     (x,) = only_a
     (y,) = only_b
-    if {x, y} & _OPEN_MEASURES and {x, y} & set(UNITS.values()):
+    if {x, y} & OPEN_MEASURES and {x, y} & set(UNITS.values()):
         return False  # "how long" / "how many hours": the unit the other leaves open
     if _same_name(x, y) or _agent(x, y) or _agent(y, x) or any(lexicon.typo_of(w, r) for w in (x, y) for r in _FRAMING):
         return False
+    if _slipped(_written(a.words - b.words, x), _written(b.words - a.words, y)):
+        return False  # "working" / "wrking": a slip of the written word that its stem no longer shows
     return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})
+
+
+def _written(words: frozenset[str], content_word: str) -> list[str]:
+    """The words as written that a content word was read from."""
+    return [w for w in words if canonical(stem(w)) == content_word]
+
+
+def _slipped(written_a: list[str], written_b: list[str]) -> bool:
+    return any(lexicon.typo_of(u, v) for u in written_a for v in written_b)
 
 
 # A verb framing the request, or a quantifier (compared by the scope rule): not what the request is about.
@@ -511,9 +169,9 @@ def _units_differ(a: Profile, b: Profile) -> bool:
     if a.units == b.units:
         return False
     # "How long is the flight?" / "How many hours is the flight?": a unit named against an open measure.
-    if not a.units and _OPEN_MEASURE.search(a.text):
+    if not a.units and OPEN_MEASURE.search(a.text):
         return False
-    return not (not b.units and _OPEN_MEASURE.search(b.text))
+    return not (not b.units and OPEN_MEASURE.search(b.text))
 
 
 def _affixed(a: Profile, b: Profile) -> bool:
@@ -548,6 +206,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("antonym", "antonym", _antonyms),
     ("numbers reordered", "order", _numbers_reordered),
     ("relation sides", "order", lambda a, b: marker_swapped(a, b) or marker_swapped(b, a)),
+    ("source and target", "order", ends_crossed),
     ("roles", "order", roles_swapped),
     ("scope word", "scope", _scoped),
     ("instruction", "scope", lambda a, b: a.instructions != b.instructions),

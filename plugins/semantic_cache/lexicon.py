@@ -9,6 +9,7 @@ one-letter typos) follow from the language, so that a word never listed still be
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from functools import lru_cache
 
@@ -115,7 +116,8 @@ def affix_negated(only_a: AbstractSet[str], words_b: AbstractSet[str]) -> bool:
 _INSTRUCTIONS = {
     "brief": r"briefly|brief|concise(?:ly)?|keep it short|short (?:answer|version|summary|explanation)|in short"
     r"|succinct(?:ly)?|quick summary|tl;?dr"
-    r"|in (?:a|one|1|two|2|three|3|few|a few|\d+) (?:words?|sentences?|lines?)|one[- ]liner|in short"
+    r"|in (?:a|one|1|two|2|three|3|few|a few|a couple of|\d+)(?: single| short| brief)? (?:words?|sentences?|lines?)"
+    r"|one[- ]liner"
     r"|(?:under|fewer than|less than|at most|max(?:imum)?) \w+ words|in a nutshell",
     "detail": r"in (?:great |full |more |much )?detail|detailed|thorough(?:ly)?|in depth|in-depth|at length"
     r"|comprehensive(?:ly)?|elaborate|exhaustive(?:ly)?|long answer|full explanation|everything about",
@@ -137,6 +139,17 @@ _INSTRUCTION = re.compile("|".join(f"(?P<{k}>\\b(?:{v})\\b)" for k, v in _INSTRU
 def instructions(lower_text: str) -> frozenset[str]:
     """The kinds of length, depth or format instruction a lower-cased prompt holds."""
     return frozenset(m.lastgroup for m in _INSTRUCTION.finditer(lower_text) if m.lastgroup)
+
+
+def without_instructions(text: str, kept: Callable[[str], bool]) -> str:
+    """The prompt with its length, depth and format instructions taken out but for the words `kept` keeps (the
+    numbers: "in 3 sentences" / "in 5 sentences" differ): their other words ("a single sentence", "only") are
+    the instruction rule's to compare, not the scope or the substitution rule's."""
+    spans = [m.span() for m in _INSTRUCTION.finditer(text.lower())]
+    for start, end in reversed(spans):
+        numbers = " ".join(w for w in text[start:end].split() if kept(w.lower()))
+        text = f"{text[:start]} {numbers} {text[end:]}"
+    return text
 
 
 # -- synonyms: one canonical word a group, compared after stemming

@@ -1,6 +1,6 @@
 """Roles: whether two prompts name the same things in exchanged roles ("X to Y" / "Y into X", "does X affect Y" /
 "what effect does Y have on X", "did A beat B" / "did B win against A"), read from their profiles' content
-words in order, with relation markers and "and"/"or" kept as tags (guards.py makes the profiles).
+words in order, with relation markers and "and"/"or" kept as tags (profiles.py makes the profiles).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from plugins.semantic_cache import lexicon
 from plugins.semantic_cache.vocabulary import COORDINATOR_TAG
 
 if TYPE_CHECKING:
-    from plugins.semantic_cache.guards import Profile
+    from plugins.semantic_cache.profiles import Profile
 
 Arguments = tuple[tuple[str, ...], tuple[str, ...]]
 
@@ -64,6 +64,44 @@ def marker_swapped(a: Profile, b: Profile) -> bool:
     return False
 
 
+def _side(content: tuple[str, ...], clauses: tuple[int, ...], i: int, step: int, window: int) -> list[str]:
+    """The content words next to a marker on one side, up to another marker or tag or the clause's end."""
+    found: list[str] = []
+    j = i + step
+    while 0 <= j < len(content) and clauses[j] == clauses[i] and content[j][0] != "<" and len(found) < window:
+        if not _adjective(content[j]):
+            found.append(content[j])
+        j += step
+    return found
+
+
+def _ends(a: Profile) -> tuple[set[str], set[str]]:
+    """What a prompt names as the source and as the target of a movement or a change: the words after "from" and
+    after "to" ("into", "towards"); with only one of the two in a clause, the words before it are the other end
+    ("convert X to Y": X the source; "get Y from X": Y the target)."""
+    sources: set[str] = set()
+    targets: set[str] = set()
+    for i, w in enumerate(a.content):
+        if w not in ("<from>", "<to>"):
+            continue
+        here, there = (sources, targets) if w == "<from>" else (targets, sources)
+        here.update(_side(a.content, a.clauses, i, 1, 3))
+        other = "<to>" if w == "<from>" else "<from>"
+        if not any(m == other and c == a.clauses[i] for m, c in zip(a.content, a.clauses, strict=True)):
+            there.update(_side(a.content, a.clauses, i, -1, 2))
+    return sources - targets, targets - sources
+
+
+def ends_crossed(a: Profile, b: Profile) -> bool:
+    """Whether the source of one is the target of the other and the other way round, whichever words say so:
+    "from Tokyo to Sydney" / "to Tokyo from Sydney", "Celsius to Fahrenheit" / "Celsius from Fahrenheit"."""
+    if "<from>" not in a.content and "<from>" not in b.content:
+        return False  # "X to Y" against "Y to X" is the relation sides' rule
+    sources_a, targets_a = _ends(a)
+    sources_b, targets_b = _ends(b)
+    return bool(sources_a & targets_b) and bool(targets_a & sources_b)
+
+
 def _positions(content: tuple[str, ...]) -> dict[str, int]:
     """The position of each content word that occurs once (markers and repeated words left out)."""
     seen: dict[str, int] = {}
@@ -91,7 +129,7 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
     - Two kinds of one thing in the other order: "brown rice instead of white rice" / "white rice for brown
       rice" (the same word after each)."""
     x, y = a.subject, b.subject
-    if x and y and x != y and x in b.content and y in a.content:
+    if x and y and x != y and x in b.content and y in a.content and a.passive == b.passive:
         return True  # the subject of one is the object of the other
     pos_a, pos_b = _positions(a.content), _positions(b.content)
     shared = [w for w in pos_a if w in pos_b]
@@ -107,11 +145,34 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
                 continue
             words_a = {w for w in between_a if w[0] != "<"}
             words_b = {w for w in between_b if w[0] != "<"}
-            if words_a and words_a == words_b and len(words_a) <= 2:
-                return True
+            if a.passive == b.passive and _one_relation(words_a, words_b):
+                return True  # "can X replace Y" / "is Y a good replacement for X"; "Y be replaced by X" is not
             if u in named and v in named and words_a - named and words_b - named:
                 return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
     return _heads_swapped(a, b)
+
+
+# Endings that make a noun or an adjective of a verb: "replace" / "replacement", "infect" / "infection".
+_DERIVATIONS = ("ment", "ments", "ement", "ion", "ions", "ation", "ition", "al", "ance", "ence", "er", "ers", "or")
+
+
+def _derived(x: str, y: str) -> bool:
+    """Whether two content stems are one word and its derivation ("replac" / "replacement", "pay" / "payment")."""
+    if x == y:
+        return True
+    short, long = (x, y) if len(x) < len(y) else (y, x)
+    return len(short) >= 3 and long.startswith(short) and long[len(short) :] in _DERIVATIONS
+
+
+def _one_relation(words_a: set[str], words_b: set[str]) -> bool:
+    """Whether the words between two things say one relation on both sides: the same words, or a verb on one
+    side and its noun on the other ("replace" / "a good replacement for"), a few words at most (past that, the
+    two things are in different phrases)."""
+    if not words_a or not words_b or len(words_a) > 3 or len(words_b) > 3:
+        return False
+    if words_a == words_b:
+        return len(words_a) <= 2
+    return any(x != y and _derived(x, y) for x in words_a for y in words_b)
 
 
 def _adjective(w: str) -> bool:

@@ -3,7 +3,7 @@
 The question and the reading of its answer are here once, for both of their users: the plugin, which asks a
 model of the gateway's own config through the attempt loop and the warm pool (`Verifier`, the way
 plugins/semantic_cache/embedder.py embeds), and `sluice cache evaluate --verifier-url`, which asks any
-OpenAI-compatible endpoint over HTTP (evaluation.verify).
+OpenAI-compatible endpoint over HTTP (`verify`).
 
 Only a clear "yes" is agreement: a "no", anything else, an error or the deadline is not, so a verifier can
 only turn a hit into a miss, never a miss into a hit.
@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import orjson
 
 from gateway.context import Exchange
@@ -93,3 +94,26 @@ class Verifier:
         finally:
             opened.response.close()
         return "yes" if agrees(answer) else "no"
+
+
+async def verify(
+    client: httpx.AsyncClient, url: str, model: str, a: str, b: str, deadline_s: float = 0.5, api_key: str = ""
+) -> bool:
+    """Whether a small chat model says the two requests need the same answer, within its own deadline.
+
+    A timeout, an error or anything but a "yes" is False: the verifier can only turn a hit into a miss.
+    """
+    endpoint = url.rstrip("/")
+    if not endpoint.endswith("/chat/completions"):
+        endpoint += "/chat/completions"
+    body = question(model, a, b)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with asyncio.timeout(deadline_s):
+            response = await client.post(endpoint, json=body, headers=headers)
+        if response.status_code != 200:
+            return False
+        answer = response.json()
+    except (TimeoutError, httpx.HTTPError, ValueError):
+        return False
+    return agrees(answer)

@@ -1,7 +1,7 @@
 """The guards' vocabularies: stop and filler words, negations, direction words, scope words and quantifiers,
 relation markers, numbers in words, dates, units and languages, each with the spellings that mean the same.
 
-Plain data and one helper, imported by guards.py and roles.py; nothing here reads a prompt.
+Plain data and one helper, imported by profiles.py, guards.py and roles.py; nothing here reads a prompt.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
 # bounds are the measured figures with a little room, so that a rule change that costs accuracy fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
-    [("transformed", 0.02, 0.50), ("transformed-holdout", 0.05, 0.50), ("transformed-late", 0.10, 0.55)],
+    [("transformed", 0.02, 0.50), ("transformed-holdout", 0.05, 0.50), ("transformed-late", 0.07, 0.55)],
 )
 def test_the_rule_made_sets_at_the_default_threshold(
     name: str, max_fhr: float, min_recall: float, shared_embedder: EmbeddingServer
@@ -167,4 +167,11 @@ def test_the_rule_made_sets_at_the_default_threshold(
     # Near misses and the guards' verdicts are counted for every kind.
     assert all("near_misses" in k and isinstance(k["vetoes"], dict) for k in report["kinds"])
     assert sum(kinds["swap"]["vetoes"].values()) > 0
-    assert set(report["guard_us_per_check"]) >= {"profile", "roles", "antonym", "affix", "instruction"}
+    assert set(report["guard_us_per_check"]) >= {
+        "profile",
+        "roles",
+        "source and target",
+        "antonym",
+        "affix",
+        "instruction",
+    }

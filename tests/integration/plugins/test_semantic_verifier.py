@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from plugins.semantic_cache.evaluation import verify
+from plugins.semantic_cache.verifier import verify
 from tests.support.standins import standin
 from tests.support.upstream import Ok, ScriptedUpstream, Stall, Status
 

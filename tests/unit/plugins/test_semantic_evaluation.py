@@ -13,12 +13,11 @@ from plugins.semantic_cache.evaluation import (
     EvaluationError,
     Pair,
     evaluate,
-    explain,
     load_pairs,
     parse_pairs,
-    render,
     suggest,
 )
+from plugins.semantic_cache.report import explain, render
 
 
 def unit(angle_deg: float) -> list[float]:

@@ -136,6 +136,19 @@ VETOED_BY_RULE = [
     ("order", "How many pints are in a quart?", "How many quarts are in a pint?"),
     ("order", "Can I use maple syrup instead of honey?", "Can I substitute honey for maple syrup?"),
     ("order", "Is rye bread better for you than white bread?", "Is white bread better for your health than rye?"),
+    # the source of one the target of the other, whichever of "from" and "to" says it
+    ("order", "How long is the ferry from Dover to Calais?", "How long is the ferry to Dover from Calais?"),
+    ("order", "Convert Celsius to Fahrenheit", "Get Celsius from Fahrenheit"),
+    (
+        "order",
+        "Ship my parcel from Lower Saxony to New South Wales",
+        "Ship my parcel to Lower Saxony from New South Wales",
+    ),
+    # a verb on one side, its noun on the other ("replace" / "replacement", "pay" / "payment")
+    ("order", "Can coconut oil replace lard in pastry?", "Is lard a good replacement for coconut oil in pastry?"),
+    ("order", "Should the landlord pay the tenant?", "Is a tenant payment to the landlord due?"),
+    # an instruction's number still counts: "in 3 sentences" is not "in 5 sentences"
+    ("number", "Describe a volcano in 3 sentences", "Describe a volcano in 5 sentences"),
     # length, depth and format instructions
     ("scope", "Explain how tides work", "Explain how tides work in one sentence"),
     ("scope", "Summarize the French Revolution briefly", "Summarize the French Revolution in great detail"),
@@ -162,6 +175,13 @@ HARMLESS_BY_RULE = [
     ("Convert US dollars to euros", "How do I change US dollars into euros?"),  # a framing verb, "into" = "to"
     ("What's the time difference between Tokyo and Seoul?", "Time difference between Seoul and Tokyo?"),
     ("Foods rich in vitamin C", "Which foods have lots of vitamin C?"),  # "vitamin C" is not a language
+    # a passive verb with its agent says the same with its two things in the other order
+    ("Can coconut oil replace lard in pastry?", "Can lard be replaced by coconut oil in pastry?"),
+    # the words of an instruction are the instruction's: "a single" is "one" there, not a scope word
+    ("Explain inflation in one sentence", "Explain inflation in a single sentence"),
+    ("Python vs Ruby for scripting?", "Ruby vs Python for scripting?"),  # "vs" has no direction
+    ("Convert Celsius to Fahrenheit", "Get Fahrenheit from Celsius"),  # "Y from X" is "X to Y"
+    ("How do mortgage rates affect rents?", "How do mortgage raets affect rents?"),  # a slip its stem hides
 ]
 
 

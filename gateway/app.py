@@ -39,7 +39,7 @@ from gateway.runtime import Runtime
 from gateway.server import lifeline
 from gateway.server.admin import AdminListener
 from gateway.server.console import Console
-from gateway.server.direct import Direct, Handler
+from gateway.server.direct import Handler
 from gateway.server.reply import send_error
 from gateway.server.request import request_id
 from gateway.settings import Listen, Settings
@@ -115,13 +115,9 @@ class Gateway:
         self.admin_token = b"Bearer " + admin.token.encode() if admin.token else None
         self.admin_here = admin.port is None and (self.admin_token is not None or loopback(settings.listen.host))
         self.admin: AdminListener | None = None
-        # The proxy routes' handlers for the protocol's direct path: the fixed paths now, a deployment's path
-        # when first asked for.
-        self.direct_routes: dict[bytes, Handler] = {
-            path.encode(): functools.partial(self.direct, endpoint, None) for path, endpoint in ENDPOINTS.items()
-        }
-        for path, endpoint in MESSAGE_PATHS.items():  # Anthropic's Messages API (gateway/messages)
-            self.direct_routes[path.encode()] = functools.partial(self.messages_direct, endpoint)
+        # The proxy routes' handlers for the protocol's direct path, once the runtime is up (until then the ASGI
+        # app answers them): the fixed paths at start-up, a deployment's path when first asked for.
+        self.direct_routes: dict[bytes, Handler] = {}
         errors_handled = {HTTPException: self.http_error}
         routes = [
             Route("/healthz", self.healthz),
@@ -217,30 +213,26 @@ class Gateway:
 
     def direct_route(self, path: bytes) -> Handler | None:
         """The handler of a POST to `path` that the HTTP/1.1 protocol may run without ASGI (server/direct.py),
-        or None: the request goes to the ASGI app (every other path, and one with an escape to decode)."""
+        or None: the request goes to the ASGI app (every other path, one with an escape to decode, and every
+        path while the gateway is starting). The handler is the intake's own entry: no frame of the app's."""
         handler = self.direct_routes.get(path)
-        if handler is None and path.startswith(AZURE_BYTES) and b"%" not in path and path.isascii():
-            route = proxy_route(path.decode())
+        runtime = self.runtime
+        if handler is None and runtime is not None and path.startswith(AZURE_BYTES) and b"%" not in path:
+            route = proxy_route(path.decode("latin-1")) if path.isascii() else None
             if route is not None:
-                handler = functools.partial(self.direct, *route)
+                intake = runtime.intake
+                handler = functools.partial(intake.direct, intake.openai, endpoint=route[0], path_model=route[1])
                 if len(self.direct_routes) < MAX_DIRECT_ROUTES:
                     self.direct_routes[path] = handler
         return handler
 
-    async def direct(self, endpoint: str, deployment: str | None, cycle: Direct) -> None:
-        runtime = self.runtime
-        if runtime is None:
-            error = errors.ServiceUnavailableError("gateway is starting")
-            await send_error(cycle.send, error, cycle.request_id)
-        else:
-            await runtime.intake.direct(runtime.intake.openai, cycle, endpoint, deployment)
-
-    async def messages_direct(self, endpoint: str, cycle: Direct) -> None:
-        runtime = self.runtime
-        if runtime is None:
-            await send_error(cycle.send, errors.ServiceUnavailableError("gateway is starting"), cycle.request_id)
-        else:
-            await runtime.intake.direct(runtime.messages.door, cycle, endpoint)
+    def _route_directly(self, runtime: Runtime) -> None:
+        intake = runtime.intake
+        for path, endpoint in ENDPOINTS.items():
+            self.direct_routes[path.encode()] = functools.partial(intake.direct, intake.openai, endpoint=endpoint)
+        door = runtime.messages.door  # Anthropic's Messages API (gateway/messages)
+        for path, endpoint in MESSAGE_PATHS.items():
+            self.direct_routes[path.encode()] = functools.partial(intake.direct, door, endpoint=endpoint)
 
     async def messages(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         """Anthropic's Messages API under ASGI: POST only, like every proxy route."""
@@ -259,11 +251,13 @@ class Gateway:
         runtime = Runtime(self.settings)
         await runtime.start()
         self.runtime = runtime
+        self._route_directly(runtime)
         try:
             await self._open_admin()
             yield
         finally:
             self.runtime = None
+            self.direct_routes.clear()
             if self.admin is not None:
                 await self.admin.aclose()
             await runtime.aclose()

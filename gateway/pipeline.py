@@ -104,7 +104,10 @@ class Pipeline:
         ended = False  # the response went out, or the client left: neither a shutdown's cut nor a bug
         self.inflight += 1
         try:
-            await self._respond(ex, responder, outcome)
+            answer = await self._answer(ex, outcome)  # awaited here, not below a frame of its own: see test_frames
+            head, taps = await self._head(ex, answer, outcome)
+            await self._body(responder, ex, head, answer, outcome, taps)
+            outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
             ended = True
         except asyncio.CancelledError:
             cancelled = task.cancelling() > 0  # this request's task was cancelled, not something it awaited
@@ -198,20 +201,6 @@ class Pipeline:
             await asyncio.sleep(0.01)
         return self.cut
 
-    async def _respond(self, ex: Exchange, responder: Responder, outcome: Outcome) -> None:
-        answer = await self._answer(ex, outcome)
-        head = self._head(ex, answer, outcome)
-        taps: list[Tap] = []
-        for _, hook in self.on_response:
-            tap = await hook(ex, head)
-            if tap is not None:
-                taps.append(tap)
-        overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
-        head.headers.append((b"server-timing", server_timing(ex.timings, overhead)))
-        head.headers.append((b"x-sluice-overhead-ms", ms_value(overhead)))
-        await self._body(responder, ex, head, answer, outcome, tuple(taps))
-        outcome.total_ms = (time.perf_counter() - ex.started) * 1000.0
-
     async def _answer(self, ex: Exchange, outcome: Outcome) -> Opened | Reply:
         """Steps 2 and 3: a plugin's reply, an upstream's committed answer, or the error as a reply."""
         try:
@@ -270,8 +259,11 @@ class Pipeline:
             outcome.error = INTERNAL_CANCELLED.message
             return Reply(status=500, headers=[JSON], body=INTERNAL_CANCELLED.body(), source="error")
 
-    def _head(self, ex: Exchange, answer: Opened | Reply, outcome: Outcome) -> ResponseHead:
-        """Step 4: the status and headers the client will get (plugins may still add to them)."""
+    async def _head(
+        self, ex: Exchange, answer: Opened | Reply, outcome: Outcome
+    ) -> tuple[ResponseHead, tuple[Tap, ...]]:
+        """Step 4: the status and headers the client will get, with what the plugins' on_response add, and their
+        taps; the overhead so far in the Server-Timing."""
         if isinstance(answer, Reply):
             status = answer.status
             headers = list(answer.headers)
@@ -294,7 +286,16 @@ class Pipeline:
         if ex.fallback is not None:
             headers.append((b"x-sluice-fallback", ex.fallback.encode()))
         outcome.status = status
-        return ResponseHead(status, headers)
+        head = ResponseHead(status, headers)
+        taps: list[Tap] = []
+        for _, hook in self.on_response:
+            tap = await hook(ex, head)
+            if tap is not None:
+                taps.append(tap)
+        overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
+        headers.append((b"server-timing", server_timing(ex.timings, overhead)))
+        headers.append((b"x-sluice-overhead-ms", ms_value(overhead)))
+        return head, tuple(taps)
 
     async def _body(
         self,

@@ -311,24 +311,22 @@ NOTHING: Callable[[], None] = lambda: None  # noqa: E731
 INTERNAL = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"), (b"connection", b"close")]
 
 
-async def run(cycle: Direct, handler: Handler) -> None:
-    """The request's task: `handler` answers it; what it leaves unanswered is ended as uvicorn's cycle ends it."""
-    try:
-        await handler(cycle)
-    except BaseException as exc:
-        log.error("Exception in the request path", exc_info=exc)
-        if not cycle.response_started:
-            await cycle.send({"type": "http.response.start", "status": 500, "headers": INTERNAL})
-            await cycle.send({"type": "http.response.body", "body": b"Internal Server Error", "more_body": False})
-        else:
-            cycle.transport.close()
+async def failed(cycle: Direct, exc: BaseException) -> None:
+    """The handler raised: a 500 if nothing was sent yet, else the connection is closed (as uvicorn's cycle)."""
+    log.error("Exception in the request path", exc_info=exc)
+    if not cycle.response_started:
+        await cycle.send({"type": "http.response.start", "status": 500, "headers": INTERNAL})
+        await cycle.send({"type": "http.response.body", "body": b"Internal Server Error", "more_body": False})
     else:
-        if not cycle.response_started and not cycle.disconnected:
-            log.error("the request path returned without starting a response")
-            await cycle.send({"type": "http.response.start", "status": 500, "headers": INTERNAL})
-            await cycle.send({"type": "http.response.body", "body": b"Internal Server Error", "more_body": False})
-        elif not cycle.response_complete and not cycle.disconnected:
-            log.error("the request path returned without completing its response")
-            cycle.transport.close()
-    finally:
-        cycle.on_response = NOTHING
+        cycle.transport.close()
+
+
+async def unanswered(cycle: Direct) -> None:
+    """The handler returned without a whole response: what it left is ended as uvicorn's cycle ends it."""
+    if not cycle.response_started and not cycle.disconnected:
+        log.error("the request path returned without starting a response")
+        await cycle.send({"type": "http.response.start", "status": 500, "headers": INTERNAL})
+        await cycle.send({"type": "http.response.body", "body": b"Internal Server Error", "more_body": False})
+    elif not cycle.response_complete and not cycle.disconnected:
+        log.error("the request path returned without completing its response")
+        cycle.transport.close()

@@ -97,30 +97,40 @@ class Intake:
         responder: Responder = Asgi(receive, send)
         if door.wrap is not None:
             responder = door.wrap(responder)
+        ex: Exchange | None = None
         try:
             body = await request.read_body(receive, headers, self.max_body)
+            ex = door.parse(endpoint, headers, body, started, rid, path_model)
+            self.aim(door, ex)
         except request.ClientGone:
             return
         except errors.GatewayError as exc:
-            await self.refuse(responder, exc, rid, endpoint, started)
+            await self.refuse(responder, exc, rid, endpoint, started, ex.model if ex is not None else None)
             return
-        await self.enter(door, responder, endpoint, headers, body, started, rid, path_model)
+        await self.serve(ex, responder)
 
     async def direct(self, door: Door, cycle: Direct, endpoint: str, path_model: str | None = None) -> None:
-        """A request on a proxy route from the HTTP/1.1 protocol (server/direct.py), without the ASGI cycle."""
+        """A request on a proxy route from the HTTP/1.1 protocol (server/direct.py), without the ASGI cycle.
+
+        Step 1 in this one frame, the pipeline awaited from it: every frame between the protocol and the pool
+        is one a waiting request holds (tests/integration/gateway/test_frames.py counts them)."""
         responder: Responder = cycle if door.wrap is None else door.wrap(cycle)
+        ex: Exchange | None = None
         try:
             body = cycle.whole()  # the common case: the body came with the head
             if body is None:
                 body = await request.read_body(cycle.receive, cycle.headers, self.max_body)
             else:
                 body = request.taken(body, cycle.encoding, self.max_body)
+            ex = door.parse(endpoint, cycle.headers, body, cycle.arrived, cycle.request_id, path_model)
+            self.aim(door, ex)
         except request.ClientGone:
             return
         except errors.GatewayError as exc:
-            await self.refuse(responder, exc, cycle.request_id, endpoint, cycle.arrived)
+            model = ex.model if ex is not None else None
+            await self.refuse(responder, exc, cycle.request_id, endpoint, cycle.arrived, model)
             return
-        await self.enter(door, responder, endpoint, cycle.headers, body, cycle.arrived, cycle.request_id, path_model)
+        await self.serve(ex, responder)
 
     async def built(
         self, scope: Scope, receive: Receive, send: Send, what: str, build: Callable[[float, str], Exchange]
@@ -138,30 +148,6 @@ class Intake:
             return
         except errors.GatewayError as exc:
             await self.refuse(responder, exc, rid, what, started)
-            return
-        await self.serve(ex, responder)
-
-    async def enter(
-        self,
-        door: Door,
-        responder: Responder,
-        endpoint: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        started: float,
-        rid: str,
-        path_model: str | None = None,
-    ) -> None:
-        """The body read: the Exchange built and served, or the request refused."""
-        try:
-            ex = door.parse(endpoint, headers, body, started, rid, path_model)
-        except errors.GatewayError as exc:
-            await self.refuse(responder, exc, rid, endpoint, started)
-            return
-        try:
-            self.aim(door, ex)
-        except errors.GatewayError as exc:
-            await self.refuse(responder, exc, rid, endpoint, started, ex.model)
             return
         await self.serve(ex, responder)
 

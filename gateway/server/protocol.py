@@ -32,7 +32,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.server import ServerState
 
 from gateway import errors
-from gateway.server.direct import NAMES, Direct, Handler, checked_lines, plain, run
+from gateway.server.direct import NAMES, NOTHING, Direct, Handler, checked_lines, failed, plain, unanswered
 from gateway.server.reply import BODY_FOLLOWS
 from gateway.server.request import ARRIVED, new_request_id, usable_id
 from gateway.settings import LimitSettings
@@ -357,7 +357,17 @@ class GatewayProtocol(HttpToolsProtocol):
         task = asyncio.current_task()
         assert task is not None
         while True:
-            await run(cycle, handler)
+            # The handler awaited in this frame (no wrapper of its own: tests/integration/gateway/test_frames.py);
+            # what it leaves unanswered is ended as uvicorn's cycle ends it.
+            try:
+                await handler(cycle)
+            except BaseException as exc:
+                await failed(cycle, exc)
+            else:
+                if not cycle.response_complete:
+                    await unanswered(cycle)
+            finally:
+                cycle.on_response = NOTHING
             del cycle, handler  # nothing of a finished request is held while the connection is idle
             if self.next_request is not None or self.transport.is_closing() or task.cancelling():
                 return  # another task waits for the next request already, or there will be none

@@ -203,10 +203,15 @@ class Upstreams:
                 await asyncio.sleep(wait)
             started = time.perf_counter()
             try:
-                if hedge is None:
-                    opened = await self._attempt(ex, target)
-                else:
+                if hedge is not None:
                     opened, target = await self._hedged(ex, target, hedge, ex.hedge_after_ms or 0.0)
+                elif ex.stream and target.settings.first_token_deadline_ms is not None:
+                    opened = await self._attempt(ex, target)
+                else:  # no deadline, no hedge: the attempt in this frame, one fewer that a waiting request holds
+                    try:
+                        opened = await self._first(ex, target, False)
+                    except PoolError as exc:
+                        raise self._pool_failure(exc, target) from None
             except errors.GatewayError as exc:
                 ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
                 if not _retryable(exc):
@@ -238,7 +243,7 @@ class Upstreams:
         try:
             opened = await self._first(ex, target, False)
         except PoolError as exc:
-            raise from_pool_error(exc, target.backend, target.model) from None
+            raise self._pool_failure(exc, target) from None
         finally:
             ex.upstream_ms += (time.perf_counter() - started) * 1000.0
         _served(ex, opened, target, None)
@@ -274,11 +279,15 @@ class Upstreams:
                 f"model {target.model!r}: no first token within {deadline:g} ms", code="first_token_deadline"
             ) from None
         except PoolError as exc:
-            if isinstance(exc, PoolTimeout):
-                target.provider.health.exhausted()
-            elif isinstance(exc, DescriptorsExhausted):
-                self.descriptors_exhausted()
-            raise from_pool_error(exc, target.backend, target.model) from None
+            raise self._pool_failure(exc, target) from None
+
+    def _pool_failure(self, exc: PoolError, target: Target) -> errors.GatewayError:
+        """A transport failure as the client's error; a full pool or no descriptor left noted where they count."""
+        if isinstance(exc, PoolTimeout):
+            target.provider.health.exhausted()
+        elif isinstance(exc, DescriptorsExhausted):
+            self.descriptors_exhausted()
+        return from_pool_error(exc, target.backend, target.model)
 
     async def _first(self, ex: Exchange, target: Target, until_token: bool) -> Opened:
         response = await target.provider.send(ex, target)

@@ -7,7 +7,8 @@ A real server on 127.0.0.1 (asyncio, its own loop in a background thread; or a p
   `previous_response_id` is found in the connection's own last response (its connection-local cache) or among
   stored responses (`store` not false), else the turn gets OpenAI's error event `previous_response_not_found`.
 - `POST .../responses` (`stream: true`): the same events as SSE, chunked, on a keep-alive connection.
-- `GET .../models`: a one-model list (a readiness probe).
+- `GET .../models`: a one-model list (a readiness probe); `GET /stats`: how many sockets, creates on them and
+  HTTP creates it served (for a benchmark running it as a process).
 
 Timing: the first delta `ttft_ms` after the create, then one every `tpot_ms`. What tests look at: `sockets` (each
 upgrade: its headers and the creates it carried), `posts` (each HTTP create: its headers and body). What tests
@@ -168,8 +169,16 @@ class FakeOpenAI:
             writer.close()
 
     async def _http(self, method: str, path: str, headers: dict[str, str], body: bytes, writer: Any) -> None:
-        if method == "GET" and path.endswith("/models"):
-            payload = orjson.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        if method == "GET" and (path.endswith("/models") or path == "/stats"):
+            if path == "/stats":  # what a benchmark in another process checks: how its turns came
+                found: dict[str, Any] = {
+                    "sockets": len(self.sockets),
+                    "socket_creates": sum(len(s.creates) for s in self.sockets),
+                }
+                found["posts"] = len(self.posts)
+                payload = orjson.dumps(found)
+            else:
+                payload = orjson.dumps({"object": "list", "data": [{"id": "fake", "object": "model"}]})
             head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
             writer.write(head % len(payload))
             writer.write(payload)

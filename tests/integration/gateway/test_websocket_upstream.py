@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from websockets.sync.client import ClientConnection, connect
+from websockets.sync.connection import Connection
 
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_thread
@@ -79,7 +80,7 @@ def socket(gw: RunningGateway, key: str = KEY) -> ClientConnection:
     return connect(f"ws://127.0.0.1:{gw.port}/v1/responses", additional_headers=sent, open_timeout=WAIT_S)
 
 
-def turn(ws: ClientConnection, **body: Any) -> list[dict[str, Any]]:
+def turn(ws: Connection, **body: Any) -> list[dict[str, Any]]:
     ws.send(json.dumps({"type": "response.create", "model": "gpt", **body}))
     events: list[dict[str, Any]] = []
     while True:
@@ -89,7 +90,7 @@ def turn(ws: ClientConnection, **body: Any) -> list[dict[str, Any]]:
             return events
 
 
-def warm(ws: ClientConnection, fake: FakeOpenAI, count: int = 1) -> str:
+def warm(ws: Connection, fake: FakeOpenAI, count: int = 1) -> str:
     """Codex's first message: `generate: false`, which opens the upstream socket; waits until it is open."""
     ident: str = turn(ws, input=[], generate=False)[-1]["response"]["id"]
     wait_until(lambda: len(fake.sockets) >= count, WAIT_S, what="the upstream socket open")

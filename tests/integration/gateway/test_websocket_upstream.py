@@ -132,7 +132,9 @@ def test_turns_share_one_pinned_socket_and_continue_by_id(
     wait_until(lambda: len(lines.fields) >= 5, WAIT_S, what="five access lines")
     turns = [f for f in lines.fields if f.get("sluice.transport") == "websocket"]
     assert [f["sluice.turn"] for f in turns] == [1, 2, 3, 4, 5]
-    assert turns[0]["sluice.generate"] is False and turns[0]["status"] == 200 and turns[0]["tenant"] == "acme"
+    assert turns[0]["sluice.generate"] is False
+    assert turns[0]["status"] == 200
+    assert turns[0]["tenant"] == "acme"
     assert all(f["status"] == 200 and f.get("sluice.upstream_transport") == "websocket" for f in turns[1:])
     assert len({f["sluice.socket"] for f in turns}) == 1
 
@@ -194,9 +196,11 @@ def test_azure_gets_its_api_key_and_each_client_socket_its_own_upstream_socket(f
     for upstream in fake.sockets:
         assert upstream.headers["api-key"] == "azure-key"
         assert "authorization" not in upstream.headers
-        assert KEY not in json.dumps(upstream.headers) and OTHER_KEY not in json.dumps(upstream.headers)
+        assert KEY not in json.dumps(upstream.headers)
+        assert OTHER_KEY not in json.dumps(upstream.headers)
         owners = {create["input"].split()[0] for create in upstream.creates}
-        assert len(owners) == 1 and len(upstream.creates) == 2  # one tenant's turns on each upstream socket
+        assert len(owners) == 1
+        assert len(upstream.creates) == 2
     assert {s.creates[0]["input"].split()[0] for s in fake.sockets} == {"acme", "rival"}
 
 

@@ -160,7 +160,11 @@ class Pinned:
         if socket is None:
             return await self.inner.send(ex, target)
         try:
-            turn = await socket.create(self._message(ex, target, socket), pin.dialer.first_byte_s)
+            message, compact = self._message(ex, target, socket)
+            turn = await socket.create(message, pin.dialer.first_byte_s)
+            if compact and turn.status == 400 and b"previous_response_not_found" in turn.error_body:
+                # The upstream no longer holds it (its cache is its own to evict): the whole conversation instead.
+                turn = await socket.create(self._message(ex, target, None)[0], pin.dialer.first_byte_s)
         except SocketClosed as exc:
             # Nothing of this turn reached the client: it goes over HTTP, and a later turn opens a new socket.
             log.info(
@@ -171,11 +175,13 @@ class Pinned:
             ex.attributes["sluice.upstream_transport"] = "websocket"
         return self.inner.noted(turn, ex, target)
 
-    def _message(self, ex: Exchange, target: Target, socket: UpstreamSocket) -> bytes:
+    def _message(self, ex: Exchange, target: Target, socket: UpstreamSocket | None) -> tuple[bytes, bool]:
         """The `response.create` to send: the client's own when the socket made the response it continues (the
-        upstream holds it), else the body the HTTP path would send (the conversation expanded, or as it came)."""
+        upstream holds it), else the body the HTTP path would send (the conversation expanded, or as it came);
+        and whether it was the client's own."""
         plan = self.pin.plans.get(ex.request_id)
-        source = plan[0] if plan is not None and plan[1] == socket.last else ex.json
+        compact = plan is not None and socket is not None and plan[1] == socket.last
+        source = plan[0] if plan is not None and compact else ex.json
         message: dict[str, Any] = {"type": "response.create"}
         for key, value in source.items():
             if key not in NOT_SENT:
@@ -186,7 +192,7 @@ class Pinned:
         extra = None if fields is None else fields.get(target.backend)
         if extra:
             message.update(extra)
-        return orjson.dumps(message)
+        return orjson.dumps(message), compact
 
 
 def dialers(settings: Settings, upstreams: Upstreams) -> dict[str, Dialer]:

@@ -13,7 +13,7 @@ A real server on 127.0.0.1 (asyncio, its own loop in a background thread; or a p
 Timing: the first delta `ttft_ms` after the create, then one every `tpot_ms`. What tests look at: `sockets` (each
 upgrade: its headers and the creates it carried), `posts` (each HTTP create: its headers and body). What tests
 change: `refuse_upgrade` (an HTTP status answered to every upgrade), `drop_next` (the next WebSocket turn's
-socket is closed after its first event).
+socket is closed after its first event), `evict_next` (the next WebSocket turn finds its socket's cache empty).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class FakeOpenAI:
         self.stored: set[str] = set()
         self.refuse_upgrade: int | None = None
         self.drop_next = False
+        self.evict_next = False
         self.port = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.Server | None = None
@@ -265,6 +266,9 @@ class FakeOpenAI:
     ) -> bool:
         """One create over the socket; False when the socket was dropped on purpose."""
         drop, self.drop_next = self.drop_next, False
+        if self.evict_next:
+            self.evict_next = False
+            cache[0] = None
         async for event in self._turn(create, cache):
             writer.write(ws.send(TextMessage(data=orjson.dumps(event).decode())))
             await writer.drain()

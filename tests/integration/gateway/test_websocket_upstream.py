@@ -139,6 +139,24 @@ def test_turns_share_one_pinned_socket_and_continue_by_id(
     assert len({f["sluice.socket"] for f in turns}) == 1
 
 
+def test_a_response_the_upstream_socket_no_longer_holds_is_sent_whole(
+    gateway: RunningGateway, fake: FakeOpenAI
+) -> None:
+    with socket(gateway) as ws:
+        warm(ws, fake)
+        first = turn(ws, input="one", store=False)[-1]["response"]["id"]
+        fake.evict_next = True
+        again = turn(ws, input="two", store=False, previous_response_id=first)
+        assert again[-1]["type"] == "response.completed", again[-1]
+    creates = fake.sockets[0].creates
+    assert len(creates) == 3  # the id alone, refused; then the conversation from the socket's memory
+    assert creates[1]["previous_response_id"] == first
+    assert "previous_response_id" not in creates[2]
+    assert creates[2]["input"][0] == {"type": "message", "role": "user", "content": "one"}
+    assert creates[2]["input"][-1] == {"type": "message", "role": "user", "content": "two"}
+    assert fake.posts == []
+
+
 def test_a_refused_upgrade_serves_every_turn_over_http(gateway: RunningGateway, fake: FakeOpenAI) -> None:
     fake.refuse_upgrade = 404
     with socket(gateway) as ws:

@@ -136,6 +136,7 @@ def test_turns_share_one_pinned_socket_and_continue_by_id(
     assert turns[0]["status"] == 200
     assert turns[0]["tenant"] == "acme"
     assert all(f["status"] == 200 and f.get("sluice.upstream_transport") == "websocket" for f in turns[1:])
+    assert all(f["ttft_ms"] is not None and f["ttft_ms"] > 0 for f in turns[1:])  # the relay saw the first token
     assert len({f["sluice.socket"] for f in turns}) == 1
 
 

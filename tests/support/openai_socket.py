@@ -12,8 +12,9 @@ A real server on 127.0.0.1 (asyncio, its own loop in a background thread; or a p
 
 Timing: the first delta `ttft_ms` after the create, then one every `tpot_ms`. What tests look at: `sockets` (each
 upgrade: its headers and the creates it carried), `posts` (each HTTP create: its headers and body). What tests
-change: `refuse_upgrade` (an HTTP status answered to every upgrade), `drop_next` (the next WebSocket turn's
-socket is closed after its first event), `evict_next` (the next WebSocket turn finds its socket's cache empty).
+change: `refuse_upgrade` (an HTTP status answered to every upgrade), `drop_next` (the next WebSocket turn's socket
+is closed after its first event), `evict_next` (the next WebSocket turn finds its socket's cache empty), `fail_next`
+(the next WebSocket turn gets an error event with this status, and nothing else).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class FakeOpenAI:
         self.refuse_upgrade: int | None = None
         self.drop_next = False
         self.evict_next = False
+        self.fail_next: int | None = None
         self.port = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.Server | None = None
@@ -266,6 +268,11 @@ class FakeOpenAI:
     ) -> bool:
         """One create over the socket; False when the socket was dropped on purpose."""
         drop, self.drop_next = self.drop_next, False
+        fail, self.fail_next = self.fail_next, None
+        if fail is not None:
+            event = {"type": "error", "status": fail, "error": {"type": "server_error", "message": "overloaded"}}
+            writer.write(ws.send(TextMessage(data=orjson.dumps(event).decode())))
+            return True
         if self.evict_next:
             self.evict_next = False
             cache[0] = None

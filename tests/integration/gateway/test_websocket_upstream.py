@@ -231,3 +231,29 @@ def test_websocket_off_keeps_every_turn_on_http(fake: FakeOpenAI) -> None:
             assert turn(ws, input=f"x {n}")[-1]["type"] == "response.completed"
     assert fake.sockets == []
     assert len(fake.posts) == 2
+
+
+def test_a_turn_fails_over_on_an_error_event_and_rate_limits_count_each_create(fake: FakeOpenAI) -> None:
+    text = config(f'{{type: openai, base_url: "{fake.url}", api_key: k}}')
+    text = text.replace(
+        "  gpt: {backend: up, upstream_model: gpt-up}",
+        "  gpt: {backend: up, upstream_model: gpt-up, fallback: [backup]}\n"
+        "  backup: {backend: up, upstream_model: other}",
+    )
+    text = text.replace("  acme: {", "  acme: {rate_limit: {requests_per_minute: 3}, ")
+    text = text.replace("plugins: [auth]", "plugins: [auth, rate_limit]")
+    with gateway_thread(text) as gw, socket(gw) as ws:
+        warm(ws, fake)
+        fake.fail_next = 503
+        events = turn(ws, input="first")  # the primary's 503 came before any event: the backup answers
+        assert events[0]["type"] == "response.created"
+        assert events[-1]["type"] == "response.completed"
+        assert turn(ws, input="second")[-1]["type"] == "response.completed"
+        assert turn(ws, input="third")[-1]["type"] == "response.completed"
+        limited = turn(ws, input="fourth")[-1]  # the tenant's 3 a minute are spent: per create, not per socket
+        assert limited["type"] == "error"
+        assert limited["status"] == 429
+    creates = fake.sockets[0].creates
+    assert [c["model"] for c in creates] == ["gpt-up", "other", "gpt-up", "gpt-up"]  # never the fourth
+    assert len(fake.sockets) == 1
+    assert fake.posts == []

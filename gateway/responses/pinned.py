@@ -71,7 +71,7 @@ class Dialer:
         self.first_byte_s = backend.timeouts.first_byte_s
         self.idle_read_s = backend.timeouts.idle_read_s
         self.refused_until = 0.0
-        self.opened = 0  # upstream sockets opened, for tests and /status
+        self.opened = 0  # upstream sockets opened by this process
 
     async def open(self, passed: list[tuple[bytes, bytes]]) -> UpstreamSocket:
         socket = await UpstreamSocket.open(

@@ -23,7 +23,6 @@ off.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -107,7 +106,11 @@ class Pin:
     async def _open(self) -> None:
         dialer = self.dialer
         try:
-            self.socket = await dialer.open(self.passed)
+            socket = await dialer.open(self.passed)
+            if self.off:  # the client socket closed meanwhile
+                socket.abort()
+                return
+            self.socket = socket
             log.debug("websocket %s: upstream socket to %s open", self.ident, dialer.name)
         except SocketRefused as exc:
             if 400 <= exc.status < 500:
@@ -132,11 +135,10 @@ class Pin:
         self.ensure()
         return None
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        self.off = True  # an open still under way finds it so, and closes what it opened
         if self.opening is not None:
             self.opening.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.opening
         if self.socket is not None:
             self.socket.abort()
 

@@ -345,10 +345,10 @@ class Session:
         for pin in self.pins.values():
             pin.plans.pop(rid, None)
 
-    async def unpin(self) -> None:
-        """The client socket is closing: so do its upstream sockets."""
+    def unpin(self) -> None:
+        """The client socket is closing: so do its upstream sockets (and any still opening)."""
         for pin in self.pins.values():
-            await pin.aclose()
+            pin.close()
 
     def _keep(self, lane: Lane, ident: str, items: list[Any] | None) -> None:
         """The lane's last response replaces its previous one in the socket's memory."""

@@ -110,7 +110,6 @@ class Sockets:
             await send({"type": "websocket.accept", "headers": [(b"x-request-id", rid.encode())]})
             await session.run(receive, send)
         finally:
-            await session.unpin()
             self.open.discard(session)
             left = self.per_tenant.get(tenant, 1) - 1
             if left:
@@ -119,6 +118,7 @@ class Sockets:
                 self.per_tenant.pop(tenant, None)
             if self.gauge is not None:
                 self.gauge.labels(label).dec()
+            session.unpin()  # last: its upstream sockets close with it, whatever ended it
 
     async def _authenticate(self, headers: list[tuple[bytes, bytes]], rid: str, started: float) -> str:
         ex = Exchange(rid, "responses", headers, b"", {"model": ""}, started)

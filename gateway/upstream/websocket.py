@@ -188,6 +188,7 @@ class UpstreamSocket(asyncio.Protocol):
             *(b"\r\n" + name + b": " + value for name, value in headers),
             b"\r\n\r\n",
         ]
+        socket: UpstreamSocket | None = None
         try:
             async with asyncio.timeout(connect_timeout):
                 _, socket = await loop.create_connection(
@@ -195,10 +196,16 @@ class UpstreamSocket(asyncio.Protocol):
                 )
                 socket._write(b"".join(head))
                 await socket.opened
-        except TimeoutError:
-            raise ConnectTimeout(f"the upstream WebSocket {url} was not open within {connect_timeout:g} s") from None
-        except OSError as exc:
-            raise ConnectError(f"the upstream WebSocket {url}: {exc}") from None
+        except BaseException as exc:
+            if socket is not None:
+                socket.abort()  # timed out or cancelled half-way: nothing is left open
+            if isinstance(exc, TimeoutError):
+                raise ConnectTimeout(
+                    f"the upstream WebSocket {url} was not open within {connect_timeout:g} s"
+                ) from None
+            if isinstance(exc, OSError):
+                raise ConnectError(f"the upstream WebSocket {url}: {exc}") from None
+            raise
         return socket
 
     # asyncio's side
@@ -237,6 +244,7 @@ class UpstreamSocket(asyncio.Protocol):
         status = int(status_line[1]) if len(status_line) > 1 and status_line[1].isdigit() else 0
         if status != 101:
             self.opened.set_exception(SocketRefused(status, data[end + 4 : end + 4 + 500]))
+            self.opened.exception()  # as in _lost
             self.abort()
             return b""
         fields = {}
@@ -320,6 +328,7 @@ class UpstreamSocket(asyncio.Protocol):
         self.closed = True
         if not self.opened.done():
             self.opened.set_exception(ConnectError(str(error)))
+            self.opened.exception()  # retrieved: whoever awaits it still gets it, no one else is told
         if self.turn is not None:
             self.turn._failed(error)
             self.turn = None

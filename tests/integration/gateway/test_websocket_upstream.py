@@ -257,3 +257,11 @@ def test_a_turn_fails_over_on_an_error_event_and_rate_limits_count_each_create(f
     assert [c["model"] for c in creates] == ["gpt-up", "other", "gpt-up", "gpt-up"]  # never the fourth
     assert len(fake.sockets) == 1
     assert fake.posts == []
+
+
+def test_the_upstream_socket_closes_with_the_client_s(gateway: RunningGateway, fake: FakeOpenAI) -> None:
+    with socket(gateway) as ws:
+        warm(ws, fake)
+        assert turn(ws, input="one")[-1]["type"] == "response.completed"
+        assert not fake.sockets[0].closed
+    wait_until(lambda: fake.sockets[0].closed, WAIT_S, what="the upstream socket closed")

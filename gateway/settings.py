@@ -139,6 +139,9 @@ class OpenAIBackend(RemoteBackend):
     # agent's session (x-claude-code-session-id, x-session-id, metadata.user_id), so that one conversation's
     # turns land on the same prompt cache (gateway/messages/backends.py).
     prompt_cache_key: bool = True
+    # The Responses API's WebSocket mode upstream: each client socket on /v1/responses gets its own upstream
+    # socket here ("auto": used when the upstream serves it, else HTTP; "off": every turn over HTTP).
+    websocket: Literal["auto", "off"] = "auto"
 
 
 class VLLMBackend(RemoteBackend):
@@ -161,6 +164,7 @@ class AzureBackend(RemoteBackend):
     type: Literal["azure"]
     # A dated version uses /openai/deployments/{deployment}/...; "v1" uses the /openai/v1/ form.
     api_version: str = "2024-10-21"
+    websocket: Literal["auto", "off"] = "auto"  # as OpenAIBackend's
 
 
 class AnthropicBackend(RemoteBackend):

@@ -296,6 +296,15 @@ class Indexing:
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         response = await self.inner.send(ex, target)
+        # As noted() below, inline: the HTTP path pays no extra call.
+        if response.status >= 400 or ex.json.get("store") is False:  # nothing stored: nothing to own
+            return response
+        owner = Owner(ex.tenant, target.model)
+        index = self.index
+        return Noted(response, lambda ident: index.note(ident, owner), lambda items: index.note_items(items, owner))
+
+    def noted(self, response: UpstreamResponse, ex: Exchange, target: Target) -> UpstreamResponse:
+        """`response`, read for the ids it creates (also one that came another way: a pinned upstream socket)."""
         if response.status >= 400 or ex.json.get("store") is False:  # nothing stored: nothing to own
             return response
         owner = Owner(ex.tenant, target.model)

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway import errors
+from gateway.context import Target
+from gateway.responses.index import Indexing
+from gateway.responses.pinned import Pin, Pinned, Plan
 from gateway.responses.socket_responder import Responder, error_event, tag
 from gateway.server.websocket import SHUTDOWN
 from gateway.wire.response_events import stream_events
@@ -35,6 +38,7 @@ from gateway.wire.response_events import stream_events
 if TYPE_CHECKING:
     from starlette.types import Message, Receive, Send
 
+    from gateway.context import Exchange
     from gateway.responses.sockets import Sockets
 
 log = logging.getLogger("sluice.websocket")
@@ -113,6 +117,9 @@ class Session:
         self.revoked: errors.GatewayError | None = None
         self.draining = False
         self.send: Send | None = None
+        # Upstream sockets pinned to this one, per backend (pinned.py), and its targets that use them.
+        self.pins: dict[str, Pin] = {}
+        self.pinned: dict[int, Target] = {}
 
     # The intake
 
@@ -282,10 +289,14 @@ class Session:
         if body is None:
             return
         items: list[Any] | None = None
+        plan: Plan | None = None
         previous = body.get("previous_response_id")
         given = as_items(body.get("input"))
         held = self.kept.get(previous) if isinstance(previous, str) else None
         if held is not None and given is not None:
+            if self.sockets.dialers:  # a pinned upstream socket that made `previous` is sent the create as it came
+                assert isinstance(previous, str)
+                plan = (dict(body), previous)
             items = held + given
             body["input"] = items
             del body["previous_response_id"]  # expanded here: the upstream needs no stored chain
@@ -293,11 +304,12 @@ class Session:
             items = given
         if body.get("generate") is False:
             await self._warm(lane, body, items)
+            self.sockets.warmed(self, body, lane.name, turn, started)
             return
         sent = self.send
         assert sent is not None
         responder = Responder(sent, self._disconnected, lane.name, self.many)
-        await self.sockets.run(self, body, started, responder, turn)
+        await self.sockets.run(self, body, started, responder, turn, plan)
         response = responder.response
         if responder.failed or response is None or not isinstance(response.get("id"), str):
             return
@@ -305,6 +317,38 @@ class Session:
             output = response.get("output")
             items = items + (output if isinstance(output, list) else [])
         self._keep(lane, response["id"], items)
+
+    def pin(self, ex: Exchange, plan: Plan | None) -> None:
+        """The turn's targets on backends with the WebSocket mode become this socket's, which use its pinned
+        upstream sockets (the others are left as they are)."""
+        targets = ex.targets
+        for i, target in enumerate(targets):
+            pinned = self.pinned.get(id(target))
+            if pinned is None:
+                provider = target.provider
+                if target.backend not in self.sockets.dialers or not isinstance(provider, Indexing):
+                    continue
+                wrapped: Any = Pinned(provider, self.pin_for(target.backend))  # a Provider, as Indexing is
+                pinned = Target(target.model, target.backend, target.upstream_model, target.settings, wrapped)
+                self.pinned[id(target)] = pinned
+            targets[i] = pinned
+            if plan is not None:
+                self.pins[target.backend].plans[ex.request_id] = plan
+
+    def pin_for(self, backend: str) -> Pin:
+        pin = self.pins.get(backend)
+        if pin is None:
+            pin = self.pins[backend] = Pin(self.sockets.dialers[backend], self.handshake, self.ident)
+        return pin
+
+    def unplan(self, rid: str) -> None:
+        for pin in self.pins.values():
+            pin.plans.pop(rid, None)
+
+    def unpin(self) -> None:
+        """The client socket is closing: so do its upstream sockets (and any still opening)."""
+        for pin in self.pins.values():
+            pin.close()
 
     def _keep(self, lane: Lane, ident: str, items: list[Any] | None) -> None:
         """The lane's last response replaces its previous one in the socket's memory."""

@@ -24,6 +24,7 @@ import orjson
 
 from gateway import errors
 from gateway.context import Exchange
+from gateway.responses.pinned import dialers
 from gateway.responses.socket import Session
 from gateway.server import request
 from gateway.server.reply import JSON
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from gateway.pipeline import Pipeline
+    from gateway.responses.pinned import Plan
     from gateway.responses.socket_responder import Responder
     from gateway.server.intake import Intake
     from gateway.settings import Settings
@@ -69,6 +71,9 @@ class Sockets:
         self.turns = 0  # turns run by this process, for tests and the status page
         self.sweeper: asyncio.Task[None] | None = None  # checks the open sockets' keys while there are any
         self.accepted = 0
+        # OpenAI and Azure backends with the WebSocket mode upstream: a client socket's turns there take a socket
+        # of their own (pinned.py).
+        self.dialers = dialers(settings, pipeline.upstreams)
         self.gauge = self.counter = None
         if meter is not None:
             self.gauge = meter.gauge(
@@ -115,6 +120,7 @@ class Sockets:
                 self.per_tenant.pop(tenant, None)
             if self.gauge is not None:
                 self.gauge.labels(label).dec()
+            session.unpin()  # last: its upstream sockets close with it, whatever ended it
 
     async def _authenticate(self, headers: list[tuple[bytes, bytes]], rid: str, started: float) -> str:
         ex = Exchange(rid, "responses", headers, b"", {"model": ""}, started)
@@ -178,7 +184,43 @@ class Sockets:
             socket["sluice.stream_id"] = lane
         self.intake.refused(error, request.new_request_id(), "responses", started, None, socket)
 
-    async def run(self, session: Session, body: dict[str, Any], started: float, send: Responder, turn: int) -> None:
+    def warmed(self, session: Session, body: dict[str, Any], lane: str | None, turn: int, started: float) -> None:
+        """A `generate: false` turn, answered by the session itself: its access line, and its model's pinned upstream
+        sockets opened now, so that the turns after it find them open."""
+        model = body.get("model")
+        chain = self.intake.openai.chains.get(model) if isinstance(model, str) else None
+        for target in chain or ():
+            if target.backend in self.dialers:
+                session.pin_for(target.backend).ensure()
+        access = self.pipeline.access
+        if access is not None:
+            took = round((time.perf_counter() - started) * 1000.0, 3)
+            fields: dict[str, Any] = {
+                "request_id": request.new_request_id(),
+                "tenant": session.tenant,
+                "model": model if isinstance(model, str) else None,
+                "stream": True,
+                "status": 200,
+                "total_ms": took,
+                "overhead_ms": took,
+                "sluice.transport": "websocket",
+                "sluice.socket": session.ident,
+                "sluice.turn": turn,
+                "sluice.generate": False,
+            }
+            if lane is not None:
+                fields["sluice.stream_id"] = lane
+            access.info("responses %d", 200, extra={"fields": fields})
+
+    async def run(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        started: float,
+        send: Responder,
+        turn: int,
+        plan: Plan | None = None,
+    ) -> None:
         """One turn as a Responses create: built by the intake as the HTTP path builds one, through the pipeline."""
         self.turns += 1
         if self.counter is not None:
@@ -198,5 +240,12 @@ class Sockets:
             intake.aim(intake.openai, ex)
         except errors.GatewayError as exc:
             await self.refused(session, exc, lane, turn, started)
+            return
+        if self.dialers:
+            session.pin(ex, plan)
+            try:
+                await self.pipeline.serve(ex, send)
+            finally:
+                session.unplan(rid)
             return
         await self.pipeline.serve(ex, send)

@@ -1,7 +1,8 @@
 """Everything toward the backends: the attempt loop, the pools, endpoints, routing policies and providers.
 
 Owns choosing a target's endpoint (round robin, least load, prefix affinity), connecting to it over a warm pool
-(HTTP/1.1 on asyncio + httptools, or HTTP/2), the health of each endpoint and its warm-up, and one provider module a
-backend kind in `providers/`. It may import the contract, `state`, `telemetry`, `server` (the relay the attempt loop
-opens) and `simulation` (the built-in backend); nothing above it.
+(HTTP/1.1 on asyncio + httptools, or HTTP/2; a WebSocket to a Responses API: websocket.py), the health of each
+endpoint and its warm-up, and one provider module a backend kind in `providers/`. It may import the contract,
+`state`, `telemetry`, `server` (the relay the attempt loop opens) and `simulation` (the built-in backend); nothing
+above it.
 """

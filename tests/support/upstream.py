@@ -6,7 +6,8 @@ own event loop in a background thread, so sync and async tests alike can point a
 Each request to a model endpoint (`.../chat/completions`, `.../completions`, `.../embeddings`, OpenAI or Azure
 `/openai/deployments/{d}/...` paths) takes the next scripted behaviour, or `up.default` once the script is empty.
 `GET .../models` gets a model list and consumes nothing; so does `GET /metrics` when `up.metrics` holds a
-Prometheus text (a vLLM stand-in's load); other paths get a 404. Every request is recorded.
+Prometheus text (a vLLM stand-in's load); other paths get a 404. Every request is recorded, but a WebSocket
+upgrade: it gets a 404 (no WebSocket mode here; tests/support/openai_socket.py has one).
 
 `POST .../responses` is the Responses API: the response object, or its event stream (`event:` and `data:`
 lines, a `sequence_number` on each), the same bytes for the same request body. Responses it made are kept
@@ -265,6 +266,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # answered by on_message_complete
         except httptools.HttpParserError:
             self.stopping = True
             self.transport.close()
@@ -299,6 +302,12 @@ class _Connection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.headers.get("upgrade", "").lower() == "websocket":
+            # No WebSocket mode here (as vLLM): the upgrade is refused, and is not one of the recorded requests.
+            self.stopping = True
+            self.transport.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+            return
         url = httptools.parse_url(self.url)
         body = b"".join(self.body)
         request = Recorded(

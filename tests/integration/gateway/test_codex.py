@@ -14,6 +14,7 @@ import pytest
 from plugins.auth.keys import new_key
 from tests.support.codex import codex_home, codex_or_skip
 from tests.support.gateway import gateway_process
+from tests.support.openai_socket import FakeOpenAI
 from tests.support.wait import wait_until
 
 KEY, KEY_HASH = new_key()
@@ -75,3 +76,28 @@ def test_codex_exec_runs_its_turns_over_the_websocket(codex: Path, tmp_path: Pat
         ]
         assert counted
         assert float(counted[0].split()[-1]) >= 1
+
+
+def test_codex_exec_through_a_pinned_upstream_socket(codex: Path, tmp_path: Path) -> None:
+    """Against an OpenAI backend with the WebSocket mode (the fake of tests/support/openai_socket.py): Codex's
+    warm-up opens the gateway's own socket upstream, and its turns go up it."""
+    with FakeOpenAI(ttft_ms=20, tpot_ms=2, tokens=3) as fake:
+        config = CONFIG.replace(
+            "  sim: {type: simulated, ttft_ms: 50, tpot_ms: 5}",
+            f'  sim: {{type: openai, base_url: "{fake.url}", api_key: backend-key}}',
+        )
+        with gateway_process(config, tmp_path, "--access-log", "--log-level", "info") as gw:
+            home = codex_home(tmp_path / "codex", gw.base_url, "chat-large")
+            run_codex(codex, home, tmp_path, "login", "--with-api-key", stdin=KEY)
+            output = run_codex(codex, home, tmp_path, "exec", "--skip-git-repo-check", "Say ok")
+            assert "Reconnecting" not in output
+            assert "Falling back" not in output
+            assert "tokens used" in output
+    assert len(fake.sockets) == 1  # one upstream socket for Codex's one socket
+    assert fake.sockets[0].headers["authorization"] == "Bearer backend-key"
+    assert KEY not in str(fake.sockets[0].headers)
+    # Its turn went up that socket (measured here: 1 create, no HTTP post); on a loaded machine the socket may still
+    # be opening when the turn comes, and then it goes over HTTP: either way the upstream's name for the model.
+    sent = [create["model"] for create in fake.sockets[0].creates] + [post.body["model"] for post in fake.posts]
+    assert sent
+    assert set(sent) == {"large"}

@@ -1,4 +1,5 @@
-"""`sluice bench --scenario websocket` at its smallest: a real sim, gateway and both clients; no timing asserted."""
+"""`sluice bench --scenario websocket` at its smallest: the fake OpenAI upstream, the gateway, both clients; no
+timing asserted."""
 
 from __future__ import annotations
 
@@ -15,4 +16,17 @@ def test_the_websocket_scenario_runs_and_writes_its_tables(tmp_path: Path, capsy
     text = written.read_text()
     assert text == capsys.readouterr().out
     rows = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows == ["side", "direct", "http", "websocket", "20-turn loop", "http", "websocket"]
+    assert rows == [
+        "side",
+        "direct http",
+        "direct websocket",
+        "http",
+        "websocket bridged",
+        "websocket pinned",
+        "20-turn loop",
+        "http",
+        "websocket bridged",
+        "websocket pinned",
+    ]
+    # The pinned side's turns went over the one upstream socket its client socket got.
+    assert "- Upstream, during the run: 1 socket(s) opened by the gateway" in text

@@ -70,6 +70,45 @@ def checked_lines(pairs: Sequence[tuple[bytes, bytes]]) -> bytes:
     return lines
 
 
+def head_bytes(
+    status: int, pairs: list[tuple[bytes, bytes]], keep_alive: bool, chunked: bool | None
+) -> tuple[bytes, int | None, bool | None] | None:
+    """The head uvicorn writes for `pairs` (its default headers first), where every name is lower-case, valid
+    and none the server acts on but content-length: (the head, its content-length, whether the body is chunked).
+    None: uvicorn's general path. The one framing of a head, for the direct cycle and the ASGI one (protocol.py).
+    """
+    names = [*map(NAME, pairs)]
+    if KNOWN.issuperset(names):  # every name checked before, or content-length: a few C calls
+        given = pairs[names.index(CONTENT_LENGTH)][1] if CONTENT_LENGTH in names else None
+    else:
+        given = None
+        for name, value in pairs:
+            if name in NAMES:
+                continue
+            if name == CONTENT_LENGTH:
+                given = value if given is None else given  # the first one counts, as in uvicorn
+            elif not plain(name):
+                return None
+    lines = checked_lines(pairs)  # uvicorn's regex, a C pass instead of two searches per header
+    ending = b"\r\n" if pairs else b""
+    length = None
+    if given is not None:
+        length = int(given.decode())
+        chunked = False
+    if not keep_alive:
+        ending += b"connection: close\r\n"
+    if chunked is None and status not in (204, 304):
+        chunked = True
+        ending += b"transfer-encoding: chunked\r\n"
+    return STATUS_LINE[status] + lines + ending + b"\r\n", length, chunked
+
+
+def body_bytes(body: bytes, more: bool) -> bytes:
+    """A body part in chunked framing, with the last chunk after the body's last part."""
+    out = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+    return out if more else out + LAST_CHUNK
+
+
 class Direct:
     """One request of a connection on a proxy route, from its parsed head to its response's last byte."""
 
@@ -200,9 +239,7 @@ class Direct:
         more = message.get("more_body", False)
         head, self.head = self.head, None
         if self.chunked:
-            out = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
-            if not more:
-                out += LAST_CHUNK
+            out = body_bytes(body, more)
         else:
             if len(body) > self.length:
                 raise RuntimeError("Response content longer than Content-Length")
@@ -233,7 +270,7 @@ class Direct:
         self.waiting_for_100_continue = False
         head = self._head(status, headers)
         if self.chunked:
-            out = head + (b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body) if body else LAST_CHUNK)
+            out = head + body_bytes(body, False)
         elif len(body) != self.length:
             raise RuntimeError(
                 f"Response content {'longer' if len(body) > self.length else 'shorter'} than Content-Length"
@@ -250,31 +287,13 @@ class Direct:
 
     def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytes:
         pairs = [*self.default_headers, *headers]
-        names = [*map(NAME, pairs)]
-        if KNOWN.issuperset(names):  # every name checked before, or content-length: a few C calls
-            length = pairs[names.index(CONTENT_LENGTH)][1] if CONTENT_LENGTH in names else None
-            return self._finish(status, checked_lines(pairs), bool(pairs), length)
-        length = None
-        for name, value in pairs:
-            if name in NAMES:
-                continue
-            if name == b"content-length":
-                length = value if length is None else length  # the first one counts, as in uvicorn
-            elif not plain(name):
-                return self._general(status, pairs)  # a name not lower-case, or one the server must act on
-        return self._finish(status, checked_lines(pairs), bool(pairs), length)
-
-    def _finish(self, status: int, lines: bytes, any_lines: bool, length: bytes | None) -> bytes:
-        ending = b"\r\n" if any_lines else b""
+        framed = head_bytes(status, pairs, self.keep_alive, self.chunked)
+        if framed is None:
+            return self._general(status, pairs)  # a name not lower-case, or one the server must act on
+        head, length, self.chunked = framed
         if length is not None:
-            self.length = int(length.decode())
-            self.chunked = False
-        if not self.keep_alive:
-            ending += b"connection: close\r\n"
-        if self.chunked is None and status not in (204, 304):
-            self.chunked = True
-            ending += b"transfer-encoding: chunked\r\n"
-        return STATUS_LINE[status] + lines + ending + b"\r\n"
+            self.length = length
+        return head
 
     def _general(self, status: int, pairs: list[tuple[bytes, bytes]]) -> bytes:
         """uvicorn's head for what the common path does not take: names lower-cased, each one checked, the

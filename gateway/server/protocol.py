@@ -25,14 +25,13 @@ from typing import Any
 import httptools
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
     HttpToolsProtocol,
     RequestResponseCycle,
 )
 from uvicorn.server import ServerState
 
 from gateway import errors
-from gateway.server.direct import NAMES, NOTHING, Direct, Handler, checked_lines, failed, plain, unanswered
+from gateway.server.direct import NOTHING, Direct, Handler, body_bytes, failed, head_bytes, unanswered
 from gateway.server.reply import BODY_FOLLOWS
 from gateway.server.request import ARRIVED, new_request_id, usable_id
 from gateway.settings import LimitSettings
@@ -82,25 +81,13 @@ class Cycle(RequestResponseCycle):
         if self.access_log or self.disconnected or self.scope["method"] == "HEAD":
             return None
         pairs = [*self.default_headers, *message.get("headers", ())]
-        length = None
-        for name, value in pairs:
-            if name in NAMES:
-                continue
-            if name == b"content-length":
-                length = int(value.decode())
-            elif not plain(name):
-                return None  # uvicorn's path: it lower-cases, refuses a bad name, or honours the header
-        lines = checked_lines(pairs)  # uvicorn's regex, a C pass instead of two searches per header
-        ending = b"\r\n" if pairs else b""
+        framed = head_bytes(message["status"], pairs, self.keep_alive, self.chunked_encoding)
+        if framed is None:
+            return None  # uvicorn's path: it lower-cases, refuses a bad name, or honours the header
+        head, length, self.chunked_encoding = framed
         if length is not None:
             self.expected_content_length = length
-            self.chunked_encoding = False
-        if not self.keep_alive:
-            ending += b"connection: close\r\n"
-        if self.chunked_encoding is None and message["status"] not in (204, 304):
-            self.chunked_encoding = True
-            ending += b"transfer-encoding: chunked\r\n"
-        return STATUS_LINE[message["status"]] + lines + ending + b"\r\n"
+        return head
 
     async def _send_first(self, message: Any) -> None:
         head, self.head = self.head, None
@@ -112,7 +99,7 @@ class Cycle(RequestResponseCycle):
         body = message.get("body", b"")
         more = message.get("more_body", False)
         if self.chunked_encoding:
-            out = head + (b"%x\r\n%b\r\n" % (len(body), body) if body else b"") + (b"" if more else b"0\r\n\r\n")
+            out = head + body_bytes(body, more)
         else:
             if len(body) > self.expected_content_length:
                 raise RuntimeError("Response content longer than Content-Length")

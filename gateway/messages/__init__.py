@@ -3,6 +3,7 @@
 Owns the intake of a Messages request (parsing, checks, the Exchange), its translation to chat completions for
 OpenAI-shaped backends and of their answers back (whole and streamed), the passthrough to backends that serve
 the Messages API themselves, and the errors of this route in Anthropic's shape. A request enters the one pipeline
-(auth, rate limits, cache, SLO fallback, telemetry) like any other. It may import the contract, `server`,
-`upstream`, `wire` and `telemetry`, and the pipeline (for annotations only).
+(auth, rate limits, cache, SLO fallback, telemetry) like any other, through the intake's door for it.
+
+Imports: contract, server, upstream, wire.
 """

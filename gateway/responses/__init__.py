@@ -5,6 +5,7 @@ sockets to OpenAI and Azure: pinned.py), the operations on a stored response, th
 to its tenant (index.py), and background jobs, for the Responses API and for chat completions (`x-sluice-background`):
 their store, their recorder, their leases (jobs.py, job_store.py, job_recorder.py). The Responses
 stream's byte form is `gateway.wire`'s. These decide who may see or change an object, so they fail closed when their
-store is unavailable. It may import the contract, `server`, `upstream`, `state` and `telemetry`, and the pipeline (a
-create is an ordinary request).
+store is unavailable. Operations on stored objects are the pipeline's `dispatch` (stored.py), never the attempt loop.
+
+Imports: contract, server, state, telemetry, upstream, wire.
 """

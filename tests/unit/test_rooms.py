@@ -168,3 +168,26 @@ def test_every_folder_of_code_is_a_package_that_says_what_it_owns() -> None:
             init = folder / "__init__.py"
             assert init.is_file(), f"{folder.relative_to(ROOT)} has modules but no __init__.py"
             assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} has no docstring"
+
+
+def test_each_rooms_charter_names_the_rooms_it_imports_and_no_other() -> None:
+    """The last line of a room's charter, `Imports: a, b.`, is what its modules import from other rooms at run
+    time: a charter that names a room its code does not import, or leaves out one it does, is wrong."""
+    actual: dict[str, set[str]] = {}
+    for e in edges():
+        if e.source.startswith("gateway") and e.target.startswith("gateway") and room(e.source) != room(e.target):
+            actual.setdefault(room(e.source), set()).add(room(e.target))
+    wrong = []
+    for init in sorted((ROOT / "gateway").glob("*/__init__.py")):
+        name = init.parent.name
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        lines = [line for line in doc.splitlines() if line.startswith("Imports: ")]
+        if len(lines) != 1:
+            wrong.append(f"{name}: its charter has no line `Imports: ...`")
+            continue
+        named = {part.strip() for part in lines[0].removeprefix("Imports: ").rstrip(".").split(",")} - {"none"}
+        if named != actual.get(name, set()):
+            wrong.append(
+                f"{name}: the charter names {sorted(named)}, the code imports {sorted(actual.get(name, set()))}"
+            )
+    assert wrong == []

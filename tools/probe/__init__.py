@@ -1,0 +1,1 @@
+"""`sluice probe`: the latency breakdown and diagnosis of any OpenAI-compatible endpoint."""

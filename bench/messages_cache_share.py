@@ -25,9 +25,9 @@ from typing import Any
 import anthropic
 import httpx
 
-from tools import llamacpp
-from tools.llamacpp_model import TINY, ensure_model
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.model import TINY, ensure_model
+from tools.llamacpp.server import LlamaServer
 
 SYSTEM = [
     {

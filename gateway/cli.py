@@ -129,24 +129,13 @@ def check(args: argparse.Namespace) -> None:
         print(line)
 
 
-def sim(args: argparse.Namespace) -> None:
-    from gateway.simulation.answers import Profile
-    from tools import sim as simulator
-    from tools import sim_fleet
-
-    if sim_fleet.wanted(args):
-        sim_fleet.main(args)
-        return
-    profile = Profile(ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, tokens=args.tokens)
-    simulator.main(args.host, args.port, profile, args.stamp_first_token)
-
-
 # What the CLI offers beside serving: (module, help). Each module has add_arguments(parser) and
 # main(args) -> exit code, and is imported only when its own command runs, so `sluice serve` loads none.
 TOOLS: dict[str, tuple[str, str]] = {
-    "bench": ("tools.bench", "measure the gateway's added latency against a direct connection"),
+    "sim": ("tools.sim.command", "run a simulated OpenAI-compatible upstream"),
+    "bench": ("tools.bench.command", "measure the gateway's added latency against a direct connection"),
     "demo": ("tools.demo", "watch the SLO fallback, the cache and the overhead live (about 45 s)"),
-    "probe": ("tools.probe", "latency breakdown and diagnosis of any OpenAI-compatible endpoint"),
+    "probe": ("tools.probe.command", "latency breakdown and diagnosis of any OpenAI-compatible endpoint"),
     **BUILTIN_COMMANDS,
 }
 
@@ -172,24 +161,6 @@ def parser(command: str | None = None) -> argparse.ArgumentParser:
     p = commands.add_parser("check", help="validate a config as `serve` would build it, and exit")
     p.add_argument("-c", "--config", help=CONFIG_HELP)
     p.set_defaults(run=check)
-
-    p = commands.add_parser("sim", help="run a simulated OpenAI-compatible upstream")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    p.add_argument("--ttft-ms", type=float, default=150.0, help="time to the first token (default: 150)")
-    p.add_argument("--tpot-ms", type=float, default=15.0, help="time per output token after it (default: 15)")
-    p.add_argument("--tokens", type=int, default=16, help="tokens per answer (default: 16)")
-    p.add_argument(
-        "--stamp-first-token",
-        action="store_true",
-        help="precede a stream's first token with `: sent SECONDS` (an SSE comment: when it was written, on the "
-        "host's monotonic clock), so that a client on this host can measure what lies between",
-    )
-    if command == "sim":  # the stand-ins' arguments come with their module, loaded only for this command
-        from tools import sim_fleet
-
-        sim_fleet.add_arguments(p)
-    p.set_defaults(run=sim)
 
     for name, (module, summary) in TOOLS.items():
         p = commands.add_parser(name, help=summary)

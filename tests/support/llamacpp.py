@@ -1,6 +1,6 @@
 """Real llama.cpp `llama-server` processes for the tests: the binary built once and cached, a tiny model, N servers.
 
-The binary comes from tools/llamacpp.py. Where nobody has built it yet, the first test that needs it builds it
+The binary comes from tools/llamacpp/build.py. Where nobody has built it yet, the first test that needs it builds it
 (~6 min on 2 quiet cores, once per machine; the run says so as it starts, see `announcement`); where it cannot be
 built (no compiler, the sdist unreachable) those tests skip, saying why; with $SLUICE_SKIP_LLAMACPP set they skip.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tools import llamacpp
-from tools.llamacpp_model import TINY, ModelSpec, ensure_model
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.model import TINY, ModelSpec, ensure_model
+from tools.llamacpp.server import LlamaServer
 
 # start(count=1, ready=True, start=True, model=None, **LlamaServer options) -> the servers, stopped after the test
 Start = Callable[..., list[LlamaServer]]

@@ -4,7 +4,7 @@
         httpx.get(server.url + "/health")        # 503 "Loading model", later 200
         server.stats()                           # what reached it: GET /_sim/stats
 
-The real servers of `tools.sim_fleet` run on their own event loop in a background thread, on free
+The real servers of `tools.sim.fleet` run on their own event loop in a background thread, on free
 loopback ports; the context manager returns once every replica answers HTTP at all (vLLM and TGI refuse
 connections while they load), or at once with `wait=False`, and stops them on exit.
 """
@@ -24,8 +24,8 @@ import httpx
 import uvicorn
 
 from gateway.simulation.answers import Profile
-from tools import sim_fleet
-from tools.sim_engine import BATCH, CACHE, Options
+from tools.sim import fleet as sim_fleet
+from tools.sim.engine import BATCH, CACHE, Options
 
 FAST = Profile(ttft_ms=5.0, tpot_ms=2.0, tokens=6)
 

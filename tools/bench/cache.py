@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, replace
 
-from tools.bench_core import GATEWAY as CORE
-from tools.bench_figures import (
+from tools.bench.core import GATEWAY as CORE
+from tools.bench.figures import (
     Check,
     Difference,
     Dist,
@@ -32,12 +32,12 @@ from tools.bench_figures import (
     stage_ms,
     us,
 )
-from tools.bench_load import Lane, Workload, health, send_all, unique_workload, workload
-from tools.bench_rig import LANE_WARM, Cells, GatewaySpec, Phase, Rig, add, rotated
-from tools.bench_semantic import Semantic
-from tools.bench_semantic import measure as measure_semantic
-from tools.bench_semantic import render as render_semantic
-from tools.bench_tenants import AUTH
+from tools.bench.load import Lane, Workload, health, send_all, unique_workload, workload
+from tools.bench.rig import LANE_WARM, Cells, GatewaySpec, Phase, Rig, add, rotated
+from tools.bench.semantic import Semantic
+from tools.bench.semantic import measure as measure_semantic
+from tools.bench.semantic import render as render_semantic
+from tools.bench.tenants import AUTH
 
 NAME = "cache"
 L1 = GatewaySpec(NAME, "scenarios/cache.yaml")
@@ -84,7 +84,7 @@ class Cache:
     redis_log: list[str]  # what the two processes logged about Redis
     errors: int
     phase: Phase
-    semantic: Semantic | None = None  # the semantic cache's hits and misses (tools/bench_semantic.py)
+    semantic: Semantic | None = None  # the semantic cache's hits and misses (tools/bench/semantic.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,25 +32,30 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
-from tools import bench_cache, bench_core, bench_full, bench_scale, bench_tenants, bench_tracing
-from tools.bench_fleet import BenchError, machine, placement, run_loop
-from tools.bench_report import Report, command_line, judge
-from tools.bench_rig import CORE_CONFIG, BenchOptions, Rig
+from tools.bench import cache as bench_cache
+from tools.bench import core as bench_core
+from tools.bench import full as bench_full
+from tools.bench import scale as bench_scale
+from tools.bench import tenants as bench_tenants
+from tools.bench import tracing as bench_tracing
+from tools.bench.fleet import BenchError, machine, placement, run_loop
+from tools.bench.report import Report, command_line, judge
+from tools.bench.rig import CORE_CONFIG, BenchOptions, Rig
 
 __all__ = ["DEFAULT", "QUICK", "SMOKE", "BenchError", "BenchOptions", "Report", "add_arguments", "main", "run"]
 
 T = TypeVar("T")
 SCENARIOS = ("core", "tenants", "cache", "tracing", "full", *bench_scale.OWN_PROCESSES)
-# Run by its own module with its own replicas and gateway (tools/bench_routing.py); not part of `all`.
+# Run by its own module with its own replicas and gateway (tools/bench/routing.py); not part of `all`.
 ROUTING = "routing"
-# Counted under callgrind by its own module (tools/bench_instructions.py); not part of `all`.
+# Counted under callgrind by its own module (tools/bench/instructions.py); not part of `all`.
 INSTRUCTIONS = "instructions"
-# Against real llama.cpp servers (tools/bench_real.py, which needs the built llama-server); not part of `all`.
+# Against real llama.cpp servers (tools/bench/real.py, which needs the built llama-server); not part of `all`.
 REAL = "real"
 # The Responses API over WebSocket against HTTP, with its own simulated upstream and gateway
-# (tools/bench_websocket.py); not part of `all`.
+# (tools/bench/websocket.py); not part of `all`.
 WEBSOCKET = "websocket"
-# Priority classes under 2x overload of simulated replicas (tools/bench_overload.py); not part of `all`.
+# Priority classes under 2x overload of simulated replicas (tools/bench/overload.py); not part of `all`.
 OVERLOAD = "overload"
 EXTRA = (ROUTING, INSTRUCTIONS, REAL, WEBSOCKET, OVERLOAD)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
@@ -192,7 +197,7 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
     if isinstance(options, argparse.Namespace):
         options = options_from_args(options)
     if ROUTING in options.scenarios:
-        from tools import bench_routing
+        from tools.bench import routing as bench_routing
 
         seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
         status = bench_routing.main(seconds)
@@ -200,14 +205,14 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         if not options.scenarios or status:
             return status
     if INSTRUCTIONS in options.scenarios:
-        from tools import bench_instructions
+        from tools.bench import instructions as bench_instructions
 
         status = bench_instructions.main(options.preset, options.command, options.write)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != INSTRUCTIONS))
         if not options.scenarios or status:
             return status
     if OVERLOAD in options.scenarios:
-        from tools import bench_overload
+        from tools.bench import overload as bench_overload
 
         seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
         status = bench_overload.main(seconds)
@@ -215,7 +220,7 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         if not options.scenarios or status:
             return status
     if REAL in options.scenarios:
-        from tools import bench_real
+        from tools.bench import real as bench_real
 
         seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
         status = bench_real.main(seconds)
@@ -224,7 +229,7 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
             return status
 
     if WEBSOCKET in options.scenarios:
-        from tools import bench_websocket
+        from tools.bench import websocket as bench_websocket
 
         status = bench_websocket.main(options.preset, options.write)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != WEBSOCKET))

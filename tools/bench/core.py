@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tools.bench_figures import (
+from tools.bench.figures import (
     SATURATED_PERCENT,
     Check,
     GapRow,
@@ -21,8 +21,8 @@ from tools.bench_figures import (
     max_row,
     ms,
 )
-from tools.bench_load import Run, Samples, workload
-from tools.bench_rig import CORE_CONFIG, BenchOptions, Cells, GatewaySpec, Phase, Rig, add, rotated
+from tools.bench.load import Run, Samples, workload
+from tools.bench.rig import CORE_CONFIG, BenchOptions, Cells, GatewaySpec, Phase, Rig, add, rotated
 
 NAME = "core"
 GATEWAY = GatewaySpec(NAME, CORE_CONFIG)

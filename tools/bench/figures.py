@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway.telemetry.quantiles import percentile
-from tools.bench_load import Run, Samples
+from tools.bench.load import Run, Samples
 
 SATURATED_PERCENT = 90.0
 T = TypeVar("T")

@@ -195,7 +195,7 @@ def start_redis(port: int, cpu: int | None, env: dict[str, str]) -> Child:
 
 
 def start_sink(name: str, port: int, cpu: int | None, env: dict[str, str]) -> Child:
-    return spawn(name, python_module("tools.bench_sink", "--port", str(port)), cpu, env)
+    return spawn(name, python_module("tools.bench.sink", "--port", str(port)), cpu, env)
 
 
 async def wait_redis(child: Child, port: int, deadline: float) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tools.bench_core import GATEWAY as CORE
-from tools.bench_core import NAME as CORE_NAME
-from tools.bench_figures import SATURATED_PERCENT, Check, MaxRow, Row, check, latency_row, max_row, ms, named
-from tools.bench_load import Run, Samples, send_all, unique_workload
-from tools.bench_rig import Cells, GatewaySpec, Phase, Rig, add, rotated
+from tools.bench.core import GATEWAY as CORE
+from tools.bench.core import NAME as CORE_NAME
+from tools.bench.figures import SATURATED_PERCENT, Check, MaxRow, Row, check, latency_row, max_row, ms, named
+from tools.bench.load import Run, Samples, send_all, unique_workload
+from tools.bench.rig import Cells, GatewaySpec, Phase, Rig, add, rotated
 
 NAME = "full"
 CONFIG = "scenarios/full.yaml"

@@ -38,7 +38,7 @@ import yaml
 
 from gateway.upstream.pool import Pool
 from plugins.auth.keys import new_key
-from tools.bench_fleet import (
+from tools.bench.fleet import (
     BenchError,
     Child,
     free_port,
@@ -49,11 +49,11 @@ from tools.bench_fleet import (
     start_sink,
     wait_redis,
 )
-from tools.bench_load import CLIENT_LIMITS, JSON_HEADERS, Workload, send_all, unique_workload, wait_ready
+from tools.bench.load import CLIENT_LIMITS, JSON_HEADERS, Workload, send_all, unique_workload, wait_ready
 
 T = TypeVar("T")
 NAME = "instructions"
-TREE = Path(__file__).resolve().parents[1]  # the source tree whose gateway is counted
+TREE = Path(__file__).resolve().parents[2]  # the source tree whose gateway is counted
 STAGES = ("auth", "rate_limit", "cache", "slo", "tracing", "admission")
 PLUGINS = ("auth", "rate_limit", "cache", "slo", "admission")  # in the order the pipeline runs them
 BARE: tuple[str, ...] = ()

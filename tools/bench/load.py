@@ -21,7 +21,7 @@ import orjson
 
 from gateway.upstream.pool import Pool, PoolError, PoolLimits
 from gateway.wire.marks import FIRST_TOKEN
-from tools.bench_fleet import BenchError, Child
+from tools.bench.fleet import BenchError, Child
 
 JSON_HEADERS = b"content-type: application/json\r\n"
 OVERHEAD_HEADER = b"x-sluice-overhead-ms"

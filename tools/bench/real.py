@@ -1,7 +1,7 @@
 """`sluice bench --scenario real`: the routing and core measurements against real llama.cpp servers.
 
-It needs the `llama-server` binary of tools/llamacpp.py (`python -m tools.llamacpp build`, ~6 min once) and the
-`gguf` package (the test extras), and runs the tiny random-weight model of tools/llamacpp_model.py: the text is
+It needs the `llama-server` binary of tools/llamacpp/build.py (`python -m tools.llamacpp build`, ~6 min once) and the
+`gguf` package (the test extras), and runs the tiny random-weight model of tools/llamacpp/model.py: the text is
 gibberish, the prefill, decode and prompt cache are the server's own. Each server is started with `-n 24` (a
 turn's answer: the model rarely ends one itself) and one thread, so that two replicas share the 2 cores.
 
@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 
 from gateway.telemetry.quantiles import percentile
-from tools import llamacpp
-from tools.bench_routing import Phase, run_phase
-from tools.llamacpp_model import TINY, ensure_model
-from tools.llamacpp_server import LlamaServer, free_port
+from tools.bench.routing import Phase, run_phase
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.model import TINY, ensure_model
+from tools.llamacpp.server import LlamaServer, free_port
 
 POLICIES = ("prefix", "round_robin")
 REPLICAS = 2

@@ -14,15 +14,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools import bench_cache, bench_core, bench_full, bench_tenants, bench_tracing
-from tools.bench_cache import Cache
-from tools.bench_core import Core
-from tools.bench_figures import Check, targets
-from tools.bench_fleet import BenchError, bench_file
-from tools.bench_full import Full
-from tools.bench_rig import BenchOptions, Phase
-from tools.bench_tenants import Tenants
-from tools.bench_tracing import Tracing
+from tools.bench import cache as bench_cache
+from tools.bench import core as bench_core
+from tools.bench import full as bench_full
+from tools.bench import tenants as bench_tenants
+from tools.bench import tracing as bench_tracing
+from tools.bench.cache import Cache
+from tools.bench.core import Core
+from tools.bench.figures import Check, targets
+from tools.bench.fleet import BenchError, bench_file
+from tools.bench.full import Full
+from tools.bench.rig import BenchOptions, Phase
+from tools.bench.tenants import Tenants
+from tools.bench.tracing import Tracing
 
 NOISY_PERCENT = 5.0
 HOW_TO_READ = [

@@ -21,7 +21,7 @@ import orjson
 
 from gateway.upstream.pool import Pool
 from plugins.auth.keys import new_key
-from tools.bench_fleet import (
+from tools.bench.fleet import (
     BenchError,
     Child,
     Placement,
@@ -35,7 +35,7 @@ from tools.bench_fleet import (
     tcp_counters,
     wait_redis,
 )
-from tools.bench_load import (
+from tools.bench.load import (
     CLIENT_LIMITS,
     JSON_HEADERS,
     Lane,

@@ -1,6 +1,6 @@
 """The latency console's recording cost: instructions per `Ring.record`, counted by callgrind on its own.
 
-The gateway's counts per request (tools/bench_instructions.py) swing by a few thousand instructions between
+The gateway's counts per request (tools/bench/instructions.py) swing by a few thousand instructions between
 runs with the clock-driven work around them, more than the ring costs; so the ring is counted apart, to within
 a few hundred instructions: a Python process records prepared requests in a loop under callgrind, once with
 `Ring.record` and once with a call that does nothing, each at two loop lengths. The difference of the lengths
@@ -8,7 +8,7 @@ cancels start-up; the difference of the two calls cancels the loop. What is left
 tuple and the deque's append. Prepared requests are as the pipeline leaves a streamed chat completion (six
 stages, two tries, a label, usage).
 
-`python -m tools.bench_ring` prints the count; `python -m tools.bench_ring run on|off N` is the counted loop.
+`python -m tools.bench.ring` prints the count; `python -m tools.bench.ring run on|off N` is the counted loop.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def counted(mode: str, loops: int) -> int:
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "callgrind.out"
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
-        command += [sys.executable, "-m", "tools.bench_ring", "run", mode, str(loops)]
-        done = subprocess.run(command, capture_output=True, check=True, cwd=Path(__file__).resolve().parents[1])
+        command += [sys.executable, "-m", "tools.bench.ring", "run", mode, str(loops)]
+        done = subprocess.run(command, capture_output=True, check=True, cwd=Path(__file__).resolve().parents[2])
         found = COLLECTED.search(done.stderr)
         if found is None:
             raise RuntimeError(f"callgrind printed no count: {done.stderr[-500:]!r}")

@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from tools import bench_streams, bench_workers
-from tools.bench_figures import Check, targets
-from tools.bench_fleet import machine
-from tools.bench_rig import BenchOptions
-from tools.bench_streams import Streams
-from tools.bench_workers import Workers
+from tools.bench import streams as bench_streams
+from tools.bench import workers as bench_workers
+from tools.bench.figures import Check, targets
+from tools.bench.fleet import machine
+from tools.bench.rig import BenchOptions
+from tools.bench.streams import Streams
+from tools.bench.workers import Workers
 
 OWN_PROCESSES = ("workers", "streams")
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from tools.bench_figures import Difference, Dist, dist, flat, ms, paired, pooled, stage_ms, us
-from tools.bench_load import Lane, Workload, send_all, unique_workload, workload
-from tools.bench_rig import LANE_WARM, Cells, GatewaySpec, Rig, add, rotated
+from tools.bench.figures import Difference, Dist, dist, flat, ms, paired, pooled, stage_ms, us
+from tools.bench.load import Lane, Workload, send_all, unique_workload, workload
+from tools.bench.rig import LANE_WARM, Cells, GatewaySpec, Rig, add, rotated
 
 EXACT = GatewaySpec("semantic-exact", "scenarios/cache.yaml")
 MISS = GatewaySpec("semantic", "scenarios/semantic.yaml")

@@ -3,7 +3,7 @@
 It stands in for a collector so that the `tracing` scenario measures what exporting costs the gateway, not
 what a real collector costs the machine. Each export is decoded to count its spans (a collector would decode
 it too); `GET /stats` returns `{"requests", "spans", "bytes"}` as JSON. Run: `python -m
-tools.bench_sink --port N`.
+tools.bench.sink --port N`.
 """
 
 from __future__ import annotations

@@ -42,10 +42,10 @@ import orjson
 from gateway.server.protocol import RESERVED_FDS
 from gateway.telemetry.quantiles import percentile
 from gateway.upstream.pool import Pool
-from tools.bench_figures import Check, check, ms
-from tools.bench_fleet import BenchError, Child, bench_file, free_port, proc_net_counter, python_module, spawn
-from tools.bench_load import CLIENT_LIMITS, wait_ready
-from tools.bench_rig import START_TIMEOUT_S, BenchOptions
+from tools.bench.figures import Check, check, ms
+from tools.bench.fleet import BenchError, Child, bench_file, free_port, proc_net_counter, python_module, spawn
+from tools.bench.load import CLIENT_LIMITS, wait_ready
+from tools.bench.rig import START_TIMEOUT_S, BenchOptions
 
 NAME = "streams"
 CONFIG = "scenarios/streams.yaml"
@@ -200,7 +200,7 @@ async def _measure(shape: Shape, env: dict[str, str], max_fds: int | None = None
         # The figures come back in a file: over the stdout pipe they were once cut at 256 KiB.
         report = Path(tempfile.mkdtemp(prefix="sluice-bench-streams-")) / "report.json"
         load = python_module(
-            "tools.bench_streams",
+            "tools.bench.streams",
             *("--port", str(gateway_port), "--reference-port", str(port), "--streams", str(shape.streams)),
             *("--open-seconds", f"{shape.open_seconds:g}", "--ttft-ms", f"{shape.ttft_ms:g}"),
             *("--report", str(report)),

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tools.bench_core import GATEWAY as CORE
-from tools.bench_figures import (
+from tools.bench.core import GATEWAY as CORE
+from tools.bench.figures import (
     Check,
     Difference,
     Dist,
@@ -31,8 +31,8 @@ from tools.bench_figures import (
     stage_ms,
     us,
 )
-from tools.bench_load import Lane, Run, Samples, Workload, workload
-from tools.bench_rig import Cells, GatewaySpec, Phase, Rig, Side, add, rotated, samples_of
+from tools.bench.load import Lane, Run, Samples, Workload, workload
+from tools.bench.rig import Cells, GatewaySpec, Phase, Rig, Side, add, rotated, samples_of
 
 NAME = "tenants"
 AUTH = GatewaySpec("auth", "scenarios/auth.yaml")

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tools.bench_core import GATEWAY as CORE
-from tools.bench_core import NAME as CORE_NAME
-from tools.bench_figures import (
+from tools.bench.core import GATEWAY as CORE
+from tools.bench.core import NAME as CORE_NAME
+from tools.bench.figures import (
     SATURATED_PERCENT,
     Difference,
     MaxRow,
@@ -25,8 +25,8 @@ from tools.bench_figures import (
     ms,
     us,
 )
-from tools.bench_load import Run, workload
-from tools.bench_rig import Cells, GatewaySpec, Phase, Rig, add, rotated
+from tools.bench.load import Run, workload
+from tools.bench.rig import Cells, GatewaySpec, Phase, Rig, add, rotated
 
 NAME = "tracing"
 RATIOS = ("1.0", "0.1")

@@ -39,7 +39,7 @@ import httpx
 import orjson
 
 from gateway.telemetry.quantiles import percentile
-from tools.llamacpp_server import free_port
+from tools.llamacpp.server import free_port
 
 TTFT_MS, TPOT_MS, TOKENS = 20, 1, 8
 TURN_SAMPLES = 300
@@ -47,7 +47,7 @@ LOOP_TURNS = 20
 LOOPS = 10
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # The fake OpenAI upstream is the test suite's: the bench runs it from the checkout (it is not installed).
-CHECKOUT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[2]
 FAKE = CHECKOUT / "tests" / "support" / "openai_socket.py"
 ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
 

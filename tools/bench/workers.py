@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.upstream.pool import Pool
-from tools.bench_figures import Check, check, ms
-from tools.bench_fleet import CLK_TCK, Child, bench_file, free_port, python_module, spawn, start_sim
-from tools.bench_load import CLIENT_LIMITS, Lane, get, interleaved, wait_ready, workload
-from tools.bench_rig import CORE_CONFIG, START_TIMEOUT_S, BenchOptions
+from tools.bench.figures import Check, check, ms
+from tools.bench.fleet import CLK_TCK, Child, bench_file, free_port, python_module, spawn, start_sim
+from tools.bench.load import CLIENT_LIMITS, Lane, get, interleaved, wait_ready, workload
+from tools.bench.rig import CORE_CONFIG, START_TIMEOUT_S, BenchOptions
 
 NAME = "workers"
 ONE, TWO, PAIR = "1 worker", "2 workers", "2 separate 1-worker gateways"

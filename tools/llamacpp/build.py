@@ -244,9 +244,3 @@ def main(args: argparse.Namespace) -> int:
     how = f"built in {build.seconds:.0f} s" if build.seconds else "cached"
     print(f"{build.binary} ({how}, key {key()})")
     return 0
-
-
-if __name__ == "__main__":
-    cli = argparse.ArgumentParser(prog="python -m tools.llamacpp", description=__doc__.split("\n")[0])
-    add_arguments(cli)
-    sys.exit(main(cli.parse_args()))

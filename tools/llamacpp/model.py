@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tools.llamacpp import cache_root
+from tools.llamacpp.build import cache_root
 
 CHATML = (
     "{% for message in messages %}"

@@ -23,10 +23,10 @@ from typing import IO, Any
 
 import httptools
 
-from tools.probe_client import Connection, Endpoint, ProbeError, Sample, model_ids, tls_context
-from tools.probe_diagnosis import diagnose
-from tools.probe_report import Report, render
-from tools.probe_summary import KINDS, compare, summarise
+from tools.probe.client import Connection, Endpoint, ProbeError, Sample, model_ids, tls_context
+from tools.probe.diagnosis import diagnose
+from tools.probe.report import Report, render
+from tools.probe.summary import KINDS, compare, summarise
 
 FAILURES = (OSError, TimeoutError, ProbeError, httptools.HttpParserError)
 _TOPIC = (
@@ -319,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report.as_json(), indent=2) + "\n")
     if args.html:
-        from tools.probe_html import page
+        from tools.probe.html import page
 
         Path(args.html).write_text(page(report.as_json(), text))
     return 0 if report.ok else 1

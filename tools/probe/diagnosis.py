@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.telemetry.quantiles import percentile
-from tools.probe_summary import Cell, Comparison, TargetSummary, cold_extra, find, first_mark
+from tools.probe.summary import Cell, Comparison, TargetSummary, cold_extra, find, first_mark
 
 # Thresholds: (relative, absolute). Chosen so that loopback jitter and ordinary model behaviour stay quiet.
 COLD_RATIO, COLD_MIN_MS = 3.0, 50.0  # cold > 3x warm and > +50 ms

@@ -13,7 +13,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from tools.probe_report import FLOOR_ROWS
+from tools.probe.report import FLOOR_ROWS
 
 # Whose time each stage of the floor is: the network's, the server's, or the model's.
 KIND = {"dns": "net", "tcp": "net", "tls": "net", "send": "net", "head": "server", "first_token": "model"}

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools.probe_client import Sample
-from tools.probe_diagnosis import Finding
-from tools.probe_summary import PHASES, STAGES, Comparison, TargetSummary
+from tools.probe.client import Sample
+from tools.probe.diagnosis import Finding
+from tools.probe.summary import PHASES, STAGES, Comparison, TargetSummary
 
 FORMAT = 1  # bumped when the JSON document changes incompatibly
 LABELS = {phase: phase.removesuffix("_ms") for phase in PHASES}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.telemetry.quantiles import percentile
-from tools.probe_client import Sample
+from tools.probe.client import Sample
 
 PHASES = ("dns_ms", "connect_ms", "tls_ms", "sent_ms", "ttfb_ms", "ttft_ms", "tpot_ms", "total_ms")
 COMPARED = ("ttfb_ms", "ttft_ms", "tpot_ms", "total_ms")

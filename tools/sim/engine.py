@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.simulation.answers import Profile, chat_tokens, simulate
-from tools.sim_http import Handler, Response, json_response
+from tools.sim.httpd import Handler, Response, json_response
 
 LIKES = ("vllm", "tgi", "llamacpp", "ollama")
 # Requests running at once unless told: Ollama runs one at a time (OLLAMA_NUM_PARALLEL defaults to 1).

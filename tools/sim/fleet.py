@@ -17,9 +17,12 @@ from collections.abc import Awaitable, Callable
 import uvicorn
 
 from gateway.simulation.answers import Profile
-from tools import sim_llamacpp, sim_ollama, sim_tgi, sim_vllm
-from tools.sim_engine import BATCH, CACHE, LIKES, Options, Replica
-from tools.sim_http import Request, Response, asgi, bind, server
+from tools.sim import llamacpp as sim_llamacpp
+from tools.sim import ollama as sim_ollama
+from tools.sim import tgi as sim_tgi
+from tools.sim import vllm as sim_vllm
+from tools.sim.engine import BATCH, CACHE, LIKES, Options, Replica
+from tools.sim.httpd import Request, Response, asgi, bind, server
 
 _BUILDERS: dict[str, Callable[[Options, int], Replica]] = {
     "vllm": sim_vllm.build,

@@ -36,8 +36,8 @@ import orjson
 
 from gateway.simulation.answers import simulate
 from gateway.wire.completion import sse
-from tools.sim_engine import Engine, Generation, Options, Replica, answer_tokens, prompt_tokens, stats_response
-from tools.sim_http import Request, Response, json_response
+from tools.sim.engine import Engine, Generation, Options, Replica, answer_tokens, prompt_tokens, stats_response
+from tools.sim.httpd import Request, Response, json_response
 
 BUILD = "b11434"
 _ENDPOINTS = {

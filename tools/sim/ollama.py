@@ -37,8 +37,8 @@ from typing import Any
 import orjson
 
 from gateway.simulation.answers import simulate
-from tools.sim_engine import Engine, Options, Replica, openai, prompt_tokens, stats_response
-from tools.sim_http import Request, Response, json_response
+from tools.sim.engine import Engine, Options, Replica, openai, prompt_tokens, stats_response
+from tools.sim.httpd import Request, Response, json_response
 
 VERSION = "0.33.0"
 NDJSON = "application/x-ndjson"

@@ -11,7 +11,7 @@ the profile for one request; every response carries `x-sim-requests`, the number
 completions, embeddings) this server has received so far.
 
 Replicas with batching, a queue and a prefix cache, and stand-ins for vLLM, TGI, llama.cpp and Ollama
-(`sluice sim --replicas/--like`), are `tools.sim_fleet`.
+(`sluice sim --replicas/--like`), are `tools.sim.fleet`.
 """
 
 from __future__ import annotations

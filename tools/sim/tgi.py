@@ -28,8 +28,8 @@ from typing import Any
 import orjson
 
 from gateway.wire.completion import sse
-from tools.sim_engine import Engine, Options, Replica, metric_lines, openai, prompt_count, stats_response
-from tools.sim_http import Request, Response, json_response
+from tools.sim.engine import Engine, Options, Replica, metric_lines, openai, prompt_count, stats_response
+from tools.sim.httpd import Request, Response, json_response
 
 VERSION = "3.0.1"
 _IGNORED = ("model", "n")

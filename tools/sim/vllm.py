@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from tools.sim_engine import (
+from tools.sim.engine import (
     Engine,
     Options,
     Replica,
@@ -37,7 +37,7 @@ from tools.sim_engine import (
     prompt_count,
     stats_response,
 )
-from tools.sim_http import Request, Response, json_response
+from tools.sim.httpd import Request, Response, json_response
 
 VERSION = "0.9.2"
 _ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}

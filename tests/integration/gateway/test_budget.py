@@ -2,7 +2,7 @@
 
 Timings on a shared machine swing by ±15 % between identical rounds, so they cannot catch a 5 % regression;
 the instructions the gateway executes per request repeat to within about a percent, and can. Each gateway
-runs under callgrind (tools/bench_instructions.py) with its helpers native.
+runs under callgrind (tools/bench/instructions.py) with its helpers native.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench_ring
-from tools.bench_fleet import run_loop
-from tools.bench_instructions import (
+from tools.bench import ring as bench_ring
+from tools.bench.fleet import run_loop
+from tools.bench.instructions import (
     ADMISSION,
     BARE,
     FULL,
@@ -50,7 +50,7 @@ def counted() -> list[Count]:
                 *await count("admission", ADMISSION, fleet, COUNTING),
             ]
 
-    # The console's recording, counted on its own (tools/bench_ring.py): to within a few hundred instructions,
+    # The console's recording, counted on its own (tools/bench/ring.py): to within a few hundred instructions,
     # where the gateway's counts swing by more than it costs.
     instructions, records = bench_ring.records()
     return [*run_loop(both()), Count("console", (), records, instructions)]

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from gateway.simulation.answers import Profile
 from tests.support.gateway import free_port, gateway_thread
 from tests.support.wait import wait_until
-from tools.sim import start_server
+from tools.sim.server import start_server
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
 

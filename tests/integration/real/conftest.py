@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tests.support.llamacpp import Start, build_or_skip, model_or_skip, start_servers
-from tools import llamacpp
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.server import LlamaServer
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ from tests.support.codex import codex_home, codex_or_skip
 from tests.support.gateway import gateway_process
 from tests.support.llamacpp import model_or_skip, start_servers
 from tests.support.wait import wait_until
-from tools import llamacpp
-from tools.llamacpp_model import LONG
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.model import LONG
 
 KEY, KEY_HASH = new_key()
 

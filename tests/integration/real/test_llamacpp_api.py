@@ -17,8 +17,8 @@ import pytest
 
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.llamacpp import gateway_metric, start_servers, wait_for
-from tools import llamacpp
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.server import LlamaServer
 
 SLOTS = 2
 PROMPT = "A sluice is a water channel controlled at its head by a gate. " * 12

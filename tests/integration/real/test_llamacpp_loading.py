@@ -18,7 +18,7 @@ import openai
 
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.llamacpp import Start, wait_for
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp.server import LlamaServer
 
 MESSAGES: Any = [{"role": "user", "content": "Say something about water gates."}]
 SLOW_LOAD = ("-lm", "none")  # read the file instead of mapping it: a loading phase of seconds

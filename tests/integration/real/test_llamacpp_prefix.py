@@ -21,9 +21,9 @@ import pytest
 
 from tests.support.gateway import gateway_process
 from tests.support.llamacpp import Start, model_or_skip
-from tools import llamacpp
-from tools.llamacpp_model import LONG
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.model import LONG
+from tools.llamacpp.server import LlamaServer
 
 REPLICAS = 3
 TURNS = 4

@@ -13,8 +13,8 @@ import pytest
 
 from tests.support.gateway import RunningGateway, gateway_process
 from tests.support.llamacpp import start_servers
-from tools import llamacpp
-from tools.llamacpp_server import LlamaServer
+from tools.llamacpp import build as llamacpp
+from tools.llamacpp.server import LlamaServer
 
 PROMPT = "A sluice is a water channel controlled at its head by a gate. " * 8
 

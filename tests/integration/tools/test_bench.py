@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench, bench_scale
-from tools.bench_figures import Difference, Dist, Row
+from tools.bench import command as bench
+from tools.bench import scale as bench_scale
+from tools.bench.figures import Difference, Dist, Row
 
 COMMAND = "sluice bench --smoke --scenario all"
 

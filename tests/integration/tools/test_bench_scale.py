@@ -12,8 +12,11 @@ from dataclasses import replace
 import pytest
 
 from gateway.server.protocol import RESERVED_FDS
-from tools import bench, bench_scale, bench_streams, bench_workers
-from tools.bench_fleet import run_loop
+from tools.bench import command as bench
+from tools.bench import scale as bench_scale
+from tools.bench import streams as bench_streams
+from tools.bench import workers as bench_workers
+from tools.bench.fleet import run_loop
 
 COMMAND = "sluice bench --smoke --scenario workers,streams"
 

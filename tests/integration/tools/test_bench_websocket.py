@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench_websocket
+from tools.bench import websocket as bench_websocket
 
 
 def test_the_websocket_scenario_runs_and_writes_its_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

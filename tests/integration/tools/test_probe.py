@@ -24,11 +24,11 @@ import pytest
 from gateway.simulation.answers import Profile
 from tests.support.gateway import free_port, gateway_thread
 from tests.support.upstream import Buffered, MissingDone, Ok, ScriptedUpstream, Status
-from tools.probe import add_arguments, main
-from tools.probe_client import Sample
-from tools.probe_diagnosis import diagnose
-from tools.probe_summary import compare, summarise
-from tools.sim import start_server
+from tools.probe.client import Sample
+from tools.probe.command import add_arguments, main
+from tools.probe.diagnosis import diagnose
+from tools.probe.summary import compare, summarise
+from tools.sim.server import start_server
 
 # Healthy: a quick model, far enough above loopback noise that a busy test machine cannot reorder its stages.
 HEALTHY = Profile(ttft_ms=60.0, tpot_ms=2.0, tokens=12)

@@ -22,7 +22,7 @@ from tests.integration.gateway.test_console_browser import browser as browser  #
 from tests.integration.gateway.test_console_browser import errors_of
 from tests.support.gateway import gateway_thread
 from tests.support.upstream import Ok, ScriptedUpstream
-from tools.probe import add_arguments, main
+from tools.probe.command import add_arguments, main
 
 
 @pytest.fixture()

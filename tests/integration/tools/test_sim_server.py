@@ -18,7 +18,7 @@ import pytest
 from openai import AsyncAzureOpenAI, AsyncOpenAI, BadRequestError, NotFoundError
 
 from gateway.simulation.answers import Profile
-from tools.sim import start_server
+from tools.sim.server import start_server
 
 FAST = Profile(ttft_ms=5.0, tpot_ms=1.0, tokens=6, embedding_dim=8)
 MESSAGES: Any = [{"role": "user", "content": "hello"}]
@@ -381,7 +381,10 @@ async def test_malformed_request_gets_a_400_after_earlier_answers_then_close(por
 
 
 async def test_main_serves_on_uvloop_and_says_where() -> None:
-    code = "from gateway.simulation.answers import Profile; from tools.sim import main; main('127.0.0.1', 0, Profile())"
+    code = (
+        "from gateway.simulation.answers import Profile; from tools.sim.server import main; "
+        "main('127.0.0.1', 0, Profile())"
+    )
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )

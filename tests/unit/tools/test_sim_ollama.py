@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tools.sim_ollama import keep_alive
+from tools.sim.ollama import keep_alive
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from gateway.upstream.prefix import block_ends, prompt_blocks
 from gateway.upstream.replica import Endpoint, parse_load
 from gateway.upstream.route import Prefix, Session
 from tests.support.upstream import ScriptedUpstream
-from tools.bench_routing import long_prompt_affinity
+from tools.bench.routing import long_prompt_affinity
 
 LIMITS = PoolLimits(warm=1, connect_timeout=1.0)
 
@@ -249,7 +249,7 @@ async def test_outlier_ejection_never_takes_the_last_healthy_endpoint() -> None:
 
 
 def test_the_routing_bench_is_a_scenario_of_its_own() -> None:
-    from tools import bench
+    from tools.bench import command as bench
 
     assert bench.scenario_names("core,routing") == ("core", "routing")
     assert "routing" not in bench.scenario_names("all")  # it needs its own replicas and minutes

@@ -18,7 +18,7 @@ import redis.cluster
 from gateway.config import load
 from gateway.settings import ConfigError, Settings
 from gateway.state.resp import node_urls
-from plugins.auth import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
+from plugins.auth.authenticator import CHANNEL, KEYS_HASH  # where the auth plugin reads keys and hears of changes
 
 PREFIX = "sk-sluice-"
 

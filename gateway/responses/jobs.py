@@ -47,7 +47,7 @@ from gateway.responses.job_recorder import (
 )
 from gateway.responses.job_store import TERMINAL, Job, Jobs, MemoryJobs, RedisJobs
 from gateway.state.store import StoreUnavailable
-from gateway.upstream.pool import PoolError
+from gateway.upstream.connection import PoolError
 
 if TYPE_CHECKING:
     from gateway.context import Target

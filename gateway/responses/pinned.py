@@ -32,7 +32,7 @@ import orjson
 
 from gateway.context import Exchange, Target
 from gateway.settings import AzureBackend, OpenAIBackend
-from gateway.upstream.pool import PoolError
+from gateway.upstream.connection import PoolError
 from gateway.upstream.providers.http import HttpProvider
 from gateway.upstream.websocket import SocketClosed, SocketRefused, UpstreamSocket
 

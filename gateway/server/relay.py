@@ -33,7 +33,7 @@ import orjson
 
 from gateway import errors
 from gateway.plugin import Outcome, Tap
-from gateway.upstream.pool import PoolError, ReadTimeout
+from gateway.upstream.connection import PoolError, ReadTimeout
 from gateway.wire.marks import (
     CHAT_RULES,
     MESSAGES_RULES,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 from gateway import errors
 from gateway.context import Target
 from gateway.simulation.answers import Profile
-from gateway.upstream import pool
+from gateway.upstream import connection
+from gateway.upstream.connection import DescriptorsExhausted, PoolError, PoolTimeout
 from gateway.upstream.descriptors import soft_limit
-from gateway.upstream.pool import DescriptorsExhausted, PoolError, PoolTimeout
 from gateway.upstream.providers.anthropic import AnthropicProvider
 from gateway.upstream.providers.azure import AzureProvider
 from gateway.upstream.providers.http import HttpProvider
@@ -410,32 +410,32 @@ async def _read_bounded(response: UpstreamResponse) -> bytes:
     return b"".join(parts)
 
 
-def from_pool_error(exc: pool.PoolError, backend: str, model: str | None = None) -> errors.GatewayError:
+def from_pool_error(exc: connection.PoolError, backend: str, model: str | None = None) -> errors.GatewayError:
     """A transport failure as the client's status and a generic message; its detail (addresses, errno) is
     kept in `detail`, for the log only."""
     what = f"model {model!r}" if model is not None else f"backend {backend!r}"
     error: errors.GatewayError
-    if isinstance(exc, pool.ConnectTimeout):
+    if isinstance(exc, connection.ConnectTimeout):
         error = errors.UpstreamTimeoutError(
             f"{what}: the upstream did not accept a connection in time", code="connect_timeout"
         )
-    elif isinstance(exc, pool.ConnectError):
+    elif isinstance(exc, connection.ConnectError):
         error = errors.UpstreamError(f"{what}: the upstream could not be reached", code="connect_error")
-    elif isinstance(exc, pool.DescriptorsExhausted):
+    elif isinstance(exc, connection.DescriptorsExhausted):
         # The gateway's own limit, not the backend's failure: each open stream holds two descriptors.
         error = errors.ServiceUnavailableError(
             "the gateway is at its limit of open connections; please try again shortly", code="gateway_overloaded"
         )
-    elif isinstance(exc, pool.PoolTimeout):
+    elif isinstance(exc, connection.PoolTimeout):
         error = errors.ServiceUnavailableError(
             f"{what}: every connection to the upstream is busy; please try again shortly",
             code="upstream_pool_exhausted",
         )
-    elif isinstance(exc, pool.ReadTimeout):
+    elif isinstance(exc, connection.ReadTimeout):
         error = errors.UpstreamTimeoutError(f"{what}: the upstream did not answer in time")
     else:
         error = errors.UpstreamError(f"{what}: the connection to the upstream failed")
-    if isinstance(exc, pool.PoolTimeout):
+    if isinstance(exc, connection.PoolTimeout):
         error.detail = f"backend {backend!r}: every connection is busy (pool.max_connections reached): {exc}"
     else:
         error.detail = f"backend {backend!r}: {type(exc).__name__}: {exc}"

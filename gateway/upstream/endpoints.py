@@ -24,7 +24,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.upstream.pool import ConnectError, PoolLimits, RemoteProtocolError
+from gateway.upstream.connection import ConnectError, RemoteProtocolError
+from gateway.upstream.pool import PoolLimits
 from gateway.upstream.replica import Endpoint, Primed, parse_load
 
 if TYPE_CHECKING:

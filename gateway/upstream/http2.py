@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 
-from gateway.upstream import pool
+from gateway.upstream import connection
 from gateway.upstream.pool import PoolLimits
 
 
@@ -25,15 +25,15 @@ def mapped() -> Iterator[None]:
     try:
         yield
     except httpx.ConnectTimeout as exc:
-        raise pool.ConnectTimeout(str(exc) or "connect timed out") from exc
+        raise connection.ConnectTimeout(str(exc) or "connect timed out") from exc
     except httpx.ConnectError as exc:
-        raise pool.ConnectError(str(exc) or "cannot connect") from exc
+        raise connection.ConnectError(str(exc) or "cannot connect") from exc
     except httpx.PoolTimeout as exc:
-        raise pool.PoolTimeout(str(exc) or "no connection free") from exc
+        raise connection.PoolTimeout(str(exc) or "no connection free") from exc
     except httpx.TimeoutException as exc:
-        raise pool.ReadTimeout(str(exc) or "upstream idle for too long") from exc
+        raise connection.ReadTimeout(str(exc) or "upstream idle for too long") from exc
     except httpx.HTTPError as exc:
-        raise pool.RemoteProtocolError(str(exc) or type(exc).__name__) from exc
+        raise connection.RemoteProtocolError(str(exc) or type(exc).__name__) from exc
 
 
 class Http2Response:
@@ -58,7 +58,7 @@ class Http2Response:
         return b""
 
     async def read(self) -> bytes:
-        return await pool.read_all(self.next_chunk)
+        return await connection.read_all(self.next_chunk)
 
     def close(self) -> None:
         if not self.complete and not self._response.is_closed:

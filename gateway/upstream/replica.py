@@ -10,8 +10,9 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from gateway.upstream.connection import PoolError, read_all
 from gateway.upstream.http2 import Http2Client
-from gateway.upstream.pool import Pool, PoolError, PoolLimits, read_all
+from gateway.upstream.pool import Pool, PoolLimits
 
 if TYPE_CHECKING:
     import ssl

@@ -30,7 +30,7 @@ import orjson
 
 from gateway.context import Exchange
 from gateway.settings import WarmupSettings
-from gateway.upstream.pool import PoolError
+from gateway.upstream.connection import PoolError
 from gateway.upstream.providers.ollama import OllamaProvider
 from gateway.upstream.providers.selfhosted import SelfHostedProvider
 

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from gateway.upstream.pool import ConnectError, ConnectTimeout, PoolError, ReadTimeout, ResponseClosed
+from gateway.upstream.connection import ConnectError, ConnectTimeout, PoolError, ReadTimeout, ResponseClosed
 
 # A turn's last event: its type comes first in OpenAI's events.
 TERMINAL = re.compile(rb'"type"\s*:\s*"(?:response\.(?:completed|incomplete|failed)|error)"')

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.upstream.pool import Pool, PoolError, PoolLimits
+from gateway.upstream.connection import PoolError
+from gateway.upstream.pool import Pool, PoolLimits
 from gateway.wire.marks import FIRST_TOKEN
 from tools.bench.fleet import BenchError, Child
 

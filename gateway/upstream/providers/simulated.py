@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import orjson
 
 from gateway.simulation.answers import Profile, Reply, error_reply, json_reply, simulate
+from gateway.upstream.connection import ResponseClosed, read_all
 from gateway.upstream.health import Health
-from gateway.upstream.pool import ResponseClosed, read_all
 from gateway.wire import response_events
 
 if TYPE_CHECKING:

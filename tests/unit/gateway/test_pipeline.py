@@ -24,8 +24,8 @@ from gateway.plugin import Outcome, Reply, ResponseHead, Schema
 from gateway.server import request
 from gateway.server.reply import BODY_FOLLOWS
 from gateway.upstream.attempts import Opened, Upstreams
+from gateway.upstream.connection import ResponseClosed
 from gateway.upstream.health import Health
-from gateway.upstream.pool import ResponseClosed
 
 CONFIG = """
 backends:

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from gateway.context import Exchange, Target
 from gateway.simulation.answers import JSON, SSE, WORDS, Profile, Reply, chat_tokens, error_reply, simulate
-from gateway.upstream.pool import ResponseClosed
+from gateway.upstream.connection import ResponseClosed
 from gateway.upstream.providers.simulated import SimulatedProvider
 from gateway.wire.completion import DONE_EVENT as DONE
 from gateway.wire.completion import sse

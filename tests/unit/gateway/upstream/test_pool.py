@@ -16,19 +16,18 @@ from typing import Any, TypeVar
 
 import pytest
 
-from gateway.upstream.pool import (
+from gateway.upstream.connection import (
     HIGH_WATER,
     ConnectError,
     ConnectTimeout,
     DescriptorsExhausted,
-    Pool,
-    PoolLimits,
     PoolTimeout,
     ReadTimeout,
     RemoteProtocolError,
     Response,
     ResponseClosed,
 )
+from gateway.upstream.pool import Pool, PoolLimits
 from tests.support.upstream import (
     MalformedChunk,
     Ok,

@@ -28,13 +28,9 @@ OpenMetrics; the multiprocess files have no place for them.
 
 from __future__ import annotations
 
-import bisect
 import os
 import platform
-from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
-from functools import partial
-from operator import is_not, lt
 from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -43,6 +39,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from gateway import __version__
 from gateway.telemetry import metric_files
+from gateway.telemetry.series import Row, Series, prompt_cache
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -64,7 +61,6 @@ OVERHEAD_BUCKETS = (
 )  # fmt: skip
 CORE_LABELS = ("tenant", "model", "served_model", "backend", "stream")
 OTHER_TENANT = "other"
-CLIENT_CLOSED = "499"  # the client left before the response head: no status was ever sent
 BATCH = 256  # requests a series holds before it adds their values to its children (a read adds them at once)
 
 
@@ -88,7 +84,6 @@ class TenantLabels:
         return label
 
 
-HISTOGRAMS = ("duration", "ttft", "tpot", "upstream", "overhead")  # the Metrics attributes of the request series
 MAX_KEYS = 4096  # exchange keys (raw tenant, model, target, stream) remembered; past them labels are made again
 
 
@@ -101,127 +96,6 @@ class NotServed:
 
 NOT_SERVED = NotServed()
 NO_USAGE: dict[str, Any] = {}  # never changed
-
-
-# One request's values as record() keeps them: (status, duration, ttft, tpot, upstream, overhead in ms, input
-# tokens, output tokens, of the input those read from the provider's prompt cache and those written to it). A
-# histogram's None is no observation (overhead: 0 or less is none); token counts are as the usage reported
-# them, if at all, and only positive integers count.
-Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any, Any, Any]
-SECONDS = (1000.0).__rtruediv__  # ms -> ms / 1000.0, in C
-KEEP = (  # per histogram of HISTOGRAMS: which of a column's values it observes, tested in C
-    partial(is_not, None),
-    partial(is_not, None),
-    partial(is_not, None),
-    partial(is_not, None),
-    partial(lt, 0),  # 0 < overhead: a head was sent
-)
-
-
-class Series:
-    """The labelled children of one (tenant, model, served_model, backend, stream, cache) tuple.
-
-    Children are made on first use, so that a cache hit, say, has no empty upstream or token series. A request's
-    values wait here as one tuple (its row), appended by `Metrics.record`, the only per-request work; `flush`
-    adds them all to the children, filtering, converting and bucketing each column in C.
-    """
-
-    __slots__ = ("children", "labels", "metrics", "rows", "stream")
-
-    def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
-        self.metrics = metrics
-        self.labels = labels
-        self.children: dict[str | int, Any] = {}  # histogram name, status code or token direction -> child
-        self.stream = labels[4] == "true"
-        self.rows: list[Row] = []  # one per request whose values wait here
-
-    @property
-    def held(self) -> int:
-        """Requests whose values wait here."""
-        return len(self.rows)
-
-    def observe_traced(self, row: Row, exemplar: dict[str, str]) -> Row:
-        """A request with an exemplar (its trace id): its observations put on their buckets with it at once, and
-        the rest of its row (status, tokens) returned to wait."""
-        status, duration, ttft, tpot, upstream, overhead, *counts = row
-        for name, keep, ms in zip(HISTOGRAMS, KEEP, (duration, ttft, tpot, upstream, overhead), strict=True):
-            if ms is not None and keep(ms):
-                self._child(name).observe(ms / 1000.0, exemplar)
-        return (status, None, None, None, None, 0.0, *counts)
-
-    def flush(self) -> None:
-        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
-        and the requests out of flight."""
-        rows = self.rows
-        if not rows:
-            return
-        statuses, *observed, prompts, completions, reads, writes = zip(*rows, strict=True)
-        rows.clear()
-        for name, keep, column in zip(HISTOGRAMS, KEEP, observed, strict=True):
-            values = list(map(SECONDS, filter(keep, column)))
-            if values:
-                add(self._child(name), values)
-        children = self.children
-        for status, n in Tally(statuses).items():
-            child = children.get(status)
-            if child is None:
-                label = str(status) if status else CLIENT_CLOSED
-                child = children[status] = self.metrics.requests.labels(*self.labels, label)
-            child.inc(n)
-        for direction, column in (
-            ("input", prompts),
-            ("output", completions),
-            ("cache_read", reads),
-            ("cache_write", writes),
-        ):
-            n = tokens(column)
-            if n:
-                child = children.get(direction)
-                if child is None:
-                    child = children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
-                child.inc(n)
-        self.metrics.ended(self.stream, len(statuses))
-
-    def _child(self, name: str) -> Any:
-        child = self.children.get(name)
-        if child is None:
-            child = self.children[name] = getattr(self.metrics, name).labels(*self.labels)
-        return child
-
-
-def add(child: Any, values: list[float]) -> None:
-    """Values into a histogram child as its observe() would put them, with its sum once and each bucket's count
-    once; the bucket of each value (the first bound at or above it) is found and counted in C."""
-    total = sum(values)
-    child._sum.inc(total)
-    if total != total:  # a NaN among them (or both infinities): observe() puts NaN in no bucket
-        values = [value for value in values if value == value]
-    buckets = child._buckets  # the last bound is +Inf: every other value has a bucket
-    for at, n in Tally(map(partial(bisect.bisect_left, child._upper_bounds), values)).items():
-        buckets[at].inc(n)
-
-
-def prompt_cache(usage: dict[str, Any]) -> tuple[Any, Any]:
-    """Of a request's input tokens, those the provider read from its prompt cache and those it wrote to it:
-    Anthropic's `cache_read_input_tokens` and `cache_creation_input_tokens`, OpenAI's (and llama.cpp's, vLLM's)
-    `prompt_tokens_details.cached_tokens` (which has no written count)."""
-    read = usage.get("cache_read_input_tokens")
-    if read is None:
-        details = usage.get("prompt_tokens_details")
-        if details is not None:
-            read = details.get("cached_tokens") if type(details) is dict else None
-        return read, None
-    return read, usage.get("cache_creation_input_tokens")
-
-
-def tokens(column: tuple[Any, ...]) -> int:
-    """The sum of a column's token counts that are positive integers (None, 0 and anything else count none)."""
-    counts = list(filter(None, column))
-    if not counts:
-        return 0
-    if set(map(type, counts)) == {int} and min(counts) > 0:  # as upstreams report them: summed in C
-        return sum(counts)
-    return sum(n for n in counts if isinstance(n, int) and n > 0)
 
 
 class Metrics:
@@ -249,54 +123,26 @@ class Metrics:
         self.batched = self.directory is None
         self.extra = dict(labels or {})
         names = (*CORE_LABELS, *self.extra)
-        self.ttft = Histogram(
-            "sluice_time_to_first_token_seconds",
-            "Arrival to the first output token (streams) or to the whole answer.",
-            names,
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.tpot = Histogram(
-            "sluice_time_per_output_token_seconds",
-            "Mean time per output token after the first, per stream.",
-            names,
-            buckets=TPOT_BUCKETS,
-            registry=registry,
-        )
-        self.duration = Histogram(
-            "sluice_request_duration_seconds",
-            "Arrival to the last byte sent.",
-            names,
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.upstream = Histogram(
-            "sluice_upstream_duration_seconds",
-            "Time spent waiting on upstreams for the response head (and first chunk), every try included.",
-            names,
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.overhead = Histogram(
-            "sluice_overhead_seconds",
-            "The gateway's own time before the response head: arrival to head minus upstream wait.",
-            names,
-            buckets=OVERHEAD_BUCKETS,
-            registry=registry,
-        )
-        self.requests = Counter(
-            "sluice_requests_total",
-            "Requests by the status sent to the client (499: the client left before the head).",
-            (*names, "status"),
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "sluice_tokens_total",
-            "Tokens reported in upstream usage, by direction: input, output, and of the input those read from "
-            "(cache_read) and written to (cache_write) the provider's prompt cache.",
-            (*names[:4], "direction"),
-            registry=registry,
-        )
+        self._request_families(names)
+        self._gateway_families()
+        self.process = ProcessGauges(registry)
+        self.backends = dict(backends or {})
+        self.exhausted_seen = {name: 0 for name in self.backends}
+        self.tenant_label = TenantLabels(settings.max_tenants, tenants)
+        self.series: dict[tuple[str, ...], Series] = {}  # by labels
+        self.by_key: dict[tuple[Any, ...], Series] = {}  # by what record() reads first: see _series
+        self.batch = BATCH if self.batched else 1  # requests a series holds before its values are added
+        self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
+        # Batched: requests begun and not yet in a flushed series, set on the gauge when it is read.
+        self.opened = {True: 0, False: 0}
+        self.store = store
+        self.store_seen = 0
+        self.span_counters: dict[str, Any] = {}
+
+    def _gateway_families(self) -> None:
+        """The gateway's own series: fallbacks, plugin refusals, Redis failures, spans, requests in flight,
+        backends up, full pools, and its build."""
+        registry = self.registry
         self.fallbacks = Counter(
             "sluice_fallbacks_total",
             "Requests not served by their first target, by reason (slo, deadline, error, hedge).",
@@ -346,19 +192,58 @@ class Metrics:
             multiprocess_mode="livemax",
         )
         build.labels(__version__, platform.python_version()).set(1)
-        self.process = ProcessGauges(registry)
-        self.backends = dict(backends or {})
-        self.exhausted_seen = {name: 0 for name in self.backends}
-        self.tenant_label = TenantLabels(settings.max_tenants, tenants)
-        self.series: dict[tuple[str, ...], Series] = {}  # by labels
-        self.by_key: dict[tuple[Any, ...], Series] = {}  # by what record() reads first: see _series
-        self.batch = BATCH if self.batched else 1  # requests a series holds before its values are added
-        self.open = {True: self.inflight.labels("true"), False: self.inflight.labels("false")}
-        # Batched: requests begun and not yet in a flushed series, set on the gauge when it is read.
-        self.opened = {True: 0, False: 0}
-        self.store = store
-        self.store_seen = 0
-        self.span_counters: dict[str, Any] = {}
+
+    def _request_families(self, names: tuple[str, ...]) -> None:
+        """The series each request adds to: its latencies, its status and its tokens, by the request labels."""
+        registry = self.registry
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Arrival to the first output token (streams) or to the whole answer.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "sluice_time_per_output_token_seconds",
+            "Mean time per output token after the first, per stream.",
+            names,
+            buckets=TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "sluice_request_duration_seconds",
+            "Arrival to the last byte sent.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.upstream = Histogram(
+            "sluice_upstream_duration_seconds",
+            "Time spent waiting on upstreams for the response head (and first chunk), every try included.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            "sluice_overhead_seconds",
+            "The gateway's own time before the response head: arrival to head minus upstream wait.",
+            names,
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "sluice_requests_total",
+            "Requests by the status sent to the client (499: the client left before the head).",
+            (*names, "status"),
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "sluice_tokens_total",
+            "Tokens reported in upstream usage, by direction: input, output, and of the input those read from "
+            "(cache_read) and written to (cache_write) the provider's prompt cache.",
+            (*names[:4], "direction"),
+            registry=registry,
+        )
 
     # -- the request path ---------------------------------------------------------------------------------
 

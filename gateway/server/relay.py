@@ -326,6 +326,25 @@ async def relay_stream(
     # Usage comes in the last event before [DONE]; upstreams often send the two as separate chunks.
     tail = prev2[-2048:] + prev
     # A Responses stream's terminal event holds the whole response and may span both chunks: look at all of it.
+    await end(send, outcome, rules, tail, prev2, broke, held if usage_mode == HIDE else b"", taps)
+    final = tally.usage if scan else find_usage(tail)
+    if rules is MESSAGES_RULES:  # the prompt's count comes in the first event, the output's in the last
+        final = messages_usage(first, tail)
+    account(outcome, final, chunks, events, usage_mode, choices)
+    timing(outcome, started, first_token_at, last_at, choices)
+
+
+async def end(
+    send: Send,
+    outcome: Outcome,
+    rules: StreamRules,
+    tail: bytes,
+    prev2: bytes,
+    broke: PoolError | None,
+    held: bytes,
+    taps: tuple[Tap, ...],
+) -> None:
+    """A relayed stream's last words: complete if its end mark went out, else the gateway's error event."""
     if outcome.error is None and not (rules.end.search(tail) or rules.end.search(prev2)):
         outcome.error = f"upstream stream ended without {rules.end_name}"
     if outcome.error is not None:
@@ -339,18 +358,13 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": event, "more_body": False})
     else:
         outcome.complete = True
-        if held and usage_mode == HIDE:  # an unfinished last event: passed on as the upstream sent it
+        if held:  # an unfinished last event: passed on as the upstream sent it
             for tap in taps:
                 tap(held)
             await send({"type": "http.response.body", "body": held, "more_body": True})
         for tap in taps:
             tap(b"")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    final = tally.usage if scan else find_usage(tail)
-    if rules is MESSAGES_RULES:  # the prompt's count comes in the first event, the output's in the last
-        final = messages_usage(first, tail)
-    account(outcome, final, chunks, events, usage_mode, choices)
-    timing(outcome, started, first_token_at, last_at, choices)
 
 
 def account(outcome: Outcome, usage: dict[str, Any] | None, chunks: int, events: int, mode: int, choices: int) -> None:

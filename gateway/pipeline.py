@@ -23,21 +23,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
 from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
-from gateway.server.reply import BODY_FOLLOWS, JSON, send_error
+from gateway.server.reply import BODY_FOLLOWS, JSON, end_early, send_pieces, send_whole
 from gateway.telemetry.access import access_line
 from gateway.telemetry.recorder import ms_value, server_timing
 from gateway.upstream.attempts import Opened
 from gateway.wire.marks import stream_rules
 
 if TYPE_CHECKING:
-    from starlette.types import Send
-
     from gateway.context import Exchange
     from gateway.plugin import Plugin
     from gateway.server.responder import Responder
@@ -126,7 +124,7 @@ class Pipeline:
                 # a bug, not a shutdown; the client gets an internal error, the log the trace.
                 done = True
                 log.exception("request %s: cancelled from below, not by a shutdown", ex.request_id)
-                await self._end(ex, responder, outcome, INTERNAL_CANCELLED)
+                await end_early(ex, responder, outcome, INTERNAL_CANCELLED)
         finally:
             done = True
             responder.unwatch()
@@ -171,21 +169,7 @@ class Pipeline:
         self.cut += 1
         outcome.error = "gateway shutting down"
         error = errors.ServiceUnavailableError("the gateway is shutting down", code="gateway_shutdown")
-        await self._end(ex, responder, outcome, error)
-
-    async def _end(self, ex: Exchange, responder: Responder, outcome: Outcome, error: errors.GatewayError) -> None:
-        """End a request that was stopped where it stood: the error as the response, or as the last event."""
-        outcome.error = outcome.error or error.message
-        try:
-            if ex.overhead_ms:  # set just before the head went out: the body is under way
-                if ex.stream:  # a whole answer is one message: it went out whole, or cannot be ended cleanly
-                    last = {"type": "http.response.body", "body": error.sse_event(), "more_body": False}
-                    await responder.send(last)
-            else:
-                await send_error(responder.send, error, ex.request_id)
-                outcome.status = error.status
-        except Exception:
-            log.debug("request %s: could not end it before shutdown", ex.request_id, exc_info=True)
+        await end_early(ex, responder, outcome, error)
 
     @property
     def busy(self) -> int:
@@ -309,14 +293,14 @@ class Pipeline:
         """Step 5: relay the upstream's stream, or send a whole body or a plugin's stream."""
         if isinstance(answer, Reply):
             if answer.stream is not None:
-                await self._send_pieces(responder.send, head, answer.stream, outcome, taps)
+                await send_pieces(responder.send, head, answer.stream, outcome, taps)
             else:
-                await self._send_whole(responder, head, answer.body, outcome, taps)
+                await send_whole(responder, head, answer.body, outcome, taps)
             return
         n = ex.json.get("n")
         choices = n if type(n) is int and n > 1 else 1
         if not ex.stream:
-            await self._send_whole(responder, head, answer.first, outcome, taps)
+            await send_whole(responder, head, answer.first, outcome, taps)
             if head.status < 400:
                 outcome.usage = find_usage(answer.first[-2048:])
                 served = ex.served
@@ -344,32 +328,6 @@ class Pipeline:
             if reply is not None:
                 return reply
         return None
-
-    async def _send_pieces(
-        self, send: Send, head: ResponseHead, pieces: AsyncIterator[bytes], outcome: Outcome, taps: tuple[Tap, ...]
-    ) -> None:
-        await send({"type": "http.response.start", "status": head.status, "headers": head.headers})
-        async for piece in pieces:
-            for tap in taps:
-                tap(piece)
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        outcome.complete = True
-
-    async def _send_whole(
-        self,
-        responder: Responder,
-        head: ResponseHead,
-        body: bytes,
-        outcome: Outcome,
-        taps: tuple[Tap, ...],
-    ) -> None:
-        head.headers.append((b"content-length", str(len(body)).encode()))
-        for tap in taps:
-            tap(body)
-            tap(b"")
-        await responder.answer(head.status, head.headers, body)  # the head and body in one write where it can
-        outcome.complete = True
 
     def _record(self, ex: Exchange, outcome: Outcome) -> None:
         try:

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors
+from gateway import errors, handoff
 from gateway.config import load
 from gateway.context import Exchange
 from gateway.messages.api import PATHS as MESSAGE_PATHS
@@ -46,8 +46,6 @@ from gateway.settings import Listen, Settings
 from gateway.telemetry.access import refusal_line
 
 log = logging.getLogger("sluice")
-# Set by `sluice serve --workers N` for its workers: host:port as the supervisor listens (its --host, --port).
-LISTEN = "SLUICE_LISTEN"
 
 ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",
@@ -277,7 +275,7 @@ class Gateway:
     async def _open_admin(self) -> None:
         admin = self.settings.admin
         if self.admin_site is not None and admin.port is not None:
-            shared = lifeline.SUPERVISOR in os.environ  # every worker listens on it
+            shared = handoff.SUPERVISOR in os.environ  # every worker listens on it
             self.admin = AdminListener(self.admin_site, admin.host, admin.port, shared=shared)
             try:
                 await self.admin.start()
@@ -375,9 +373,9 @@ def create_app(settings: Settings | None = None) -> Gateway:
         # A worker of `sluice serve --workers N` (uvicorn imports the app in each): it exits with its supervisor.
         lifeline.arm()
         settings = load()
-        if os.environ.get("SLUICE_ACCESS_LOG") == "1":  # `serve --workers N --access-log` sets it
+        if os.environ.get(handoff.ACCESS_LOG) == "1":  # `serve --workers N --access-log` sets it
             settings = settings.model_copy(update={"log": settings.log.model_copy(update={"access": True})})
-        listen = os.environ.get(LISTEN, "")
+        listen = os.environ.get(handoff.LISTEN, "")
         if listen:  # where the supervisor listens (`--host`, `--port`): what decides who sees the admin routes
             host, _, port = listen.rpartition(":")
             settings = settings.model_copy(update={"listen": Listen(host=host, port=int(port))})

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hmac
-import ipaddress
 import logging
 import os
 import time
@@ -26,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway import errors
+from gateway import errors, handoff
 from gateway.config import load
 from gateway.context import Exchange
 from gateway.messages.api import PATHS as MESSAGE_PATHS
@@ -37,8 +35,7 @@ from gateway.responses.sockets import PATHS as SOCKET_PATHS
 from gateway.responses.sockets import deny
 from gateway.runtime import Runtime
 from gateway.server import lifeline
-from gateway.server.admin import AdminListener
-from gateway.server.console import Console
+from gateway.server.admin import Admin
 from gateway.server.direct import Handler
 from gateway.server.reply import send_error
 from gateway.server.request import request_id
@@ -46,8 +43,6 @@ from gateway.settings import Listen, Settings
 from gateway.telemetry.access import refusal_line
 
 log = logging.getLogger("sluice")
-# Set by `sluice serve --workers N` for its workers: host:port as the supervisor listens (its --host, --port).
-LISTEN = "SLUICE_LISTEN"
 
 ENDPOINTS = {
     "/v1/chat/completions": "chat/completions",
@@ -108,50 +103,26 @@ class Gateway:
         names = list(settings.models)
         page = {"has_more": False, "first_id": names[0] if names else None, "last_id": names[-1] if names else None}
         self.models_body = orjson.dumps({"object": "list", "data": models, **page})
-        # Who sees the admin routes (/status, /metrics, /readyz's detail: addresses, tenants, usage), decided
-        # once: on a listener of their own if `admin.port` is set; else on the tenants' port behind
-        # `admin.token`, or open there only when that port is loopback (the quickstart, nobody else can reach it).
-        admin = settings.admin
-        self.admin_token = b"Bearer " + admin.token.encode() if admin.token else None
-        self.admin_here = admin.port is None and (self.admin_token is not None or loopback(settings.listen.host))
-        self.admin: AdminListener | None = None
         # The proxy routes' handlers for the protocol's direct path, once the runtime is up (until then the ASGI
         # app answers them): the fixed paths at start-up, a deployment's path when first asked for.
         self.direct_routes: dict[bytes, Handler] = {}
         errors_handled = {HTTPException: self.http_error}
+        # /status, /metrics, /readyz's detail and the console: who sees them and where (server/admin.py).
+        self.admin = Admin(settings, lambda: self.runtime, self._refused, self.healthz, errors_handled)
         routes = [
             Route("/healthz", self.healthz),
-            Route("/readyz", self.readyz),
+            Route("/readyz", self.admin.readyz),
             Route("/v1/models", self.list_models),
             Route("/models", self.list_models),
             Route("/openai/v1/models", self.list_models),
             # Claude Code's reachability check on its base URL (HEAD /api/hello), answered like Anthropic's API.
             Route("/api/hello", self.healthz, methods=["GET", "HEAD"]),
+            *self.admin.routes(),
         ]
-        # The latency console (server/console.py) goes wherever /status goes, to whom it goes.
-        self.console = (
-            Console(lambda: self.runtime, self._allowed, self._unauthorized).routes() if admin.console.enabled else []
-        )
-        if self.admin_here:
-            routes += [Route("/status", self.status), Route("/metrics", self.metrics), *self.console]
         self.site = Starlette(
             routes=routes,
             exception_handlers=errors_handled,  # type: ignore[arg-type]
             lifespan=self.lifespan,
-        )
-        self.admin_site = (
-            Starlette(
-                routes=[
-                    Route("/healthz", self.healthz),
-                    Route("/readyz", self.admin_readyz),
-                    Route("/status", self.status),
-                    Route("/metrics", self.metrics),
-                    *self.console,
-                ],
-                exception_handlers=errors_handled,  # type: ignore[arg-type]
-            )
-            if admin.port is not None
-            else None
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -253,13 +224,12 @@ class Gateway:
         self.runtime = runtime
         self._route_directly(runtime)
         try:
-            await self._open_admin()
+            await self.admin.start()
             yield
         finally:
             self.runtime = None
             self.direct_routes.clear()
-            if self.admin is not None:
-                await self.admin.aclose()
+            await self.admin.aclose()
             await runtime.aclose()
 
     def _refused(self, what: str, error: errors.GatewayError, rid: str) -> None:
@@ -268,87 +238,11 @@ class Gateway:
         if runtime is not None and runtime.pipeline.access is not None:
             refusal_line(runtime.pipeline.access, what, error, rid, time.perf_counter())
 
-    async def _open_admin(self) -> None:
-        admin = self.settings.admin
-        if self.admin_site is not None and admin.port is not None:
-            shared = lifeline.SUPERVISOR in os.environ  # every worker listens on it
-            self.admin = AdminListener(self.admin_site, admin.host, admin.port, shared=shared)
-            try:
-                await self.admin.start()
-            except OSError as exc:
-                log.error("admin: cannot listen on %s:%d: %s", admin.host, admin.port, exc.strerror or exc)
-                raise
-            guarded = " (admin.token required)" if self.admin_token is not None else ""
-            where = f"http://{admin.host}:{admin.port}"
-            log.info("admin: /status, /metrics, /readyz and /console on %s%s", where, guarded)
-        elif self.admin_here:
-            guarded = "admin.token required" if self.admin_token is not None else "open: the port is loopback"
-            log.info("admin: /status, /metrics, /readyz and /console on the tenants' port (%s)", guarded)
-        else:
-            log.warning(
-                "admin: /status and /metrics are not served on %s (not loopback): set admin.port or admin.token",
-                self.settings.listen.host,
-            )
-
-    def _allowed(self, request: Request) -> bool:
-        """Whether a request may see the admin routes: no token is set, or it carries the token."""
-        token = self.admin_token
-        if token is None:
-            return True
-        given = request.headers.get("authorization", "").encode()
-        return hmac.compare_digest(given, token)
-
     async def healthz(self, _: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    async def readyz(self, request: Request) -> Response:
-        """200 once every backend's warm-up was attempted and the plugins have started; never on upstreams' health.
-
-        The body has the same detail as /status only where the admin routes are served to this caller."""
-        return self._readiness(detail=self.admin_here and self._allowed(request))
-
-    async def admin_readyz(self, request: Request) -> Response:
-        return self._readiness(detail=self._allowed(request))
-
-    def _readiness(self, *, detail: bool) -> Response:
-        runtime = self.runtime
-        if runtime is None:
-            return Response(b'{"status":"starting"}', status_code=503, media_type="application/json")
-        status = 200 if runtime.ready else 503
-        if not detail:
-            body = b'{"status":"ready"}' if runtime.ready else b'{"status":"starting"}'
-            return Response(body, status_code=status, media_type="application/json")
-        return Response(orjson.dumps(runtime.status()), status_code=status, media_type="application/json")
-
-    async def status(self, request: Request) -> Response:
-        """The gateway's state for people and scripts: backends (state, warm connections, last error), Redis."""
-        if not self._allowed(request):
-            return self._unauthorized(request)
-        runtime = self.runtime
-        body = runtime.status() if runtime is not None else {"status": "starting"}
-        return Response(orjson.dumps(body, option=orjson.OPT_INDENT_2), media_type="application/json")
-
-    def _unauthorized(self, request: Request) -> Response:
-        error = errors.AuthenticationError(
-            "this route needs the gateway's admin token: Authorization: Bearer <admin.token>",
-            code="invalid_admin_token",
-        )
-        rid = request_id(request.scope["headers"])
-        self._refused(f"{request.method} {request.url.path}", error, rid)
-        headers = {"www-authenticate": "Bearer", "x-request-id": rid}
-        return Response(error.body(), status_code=error.status, headers=headers, media_type="application/json")
-
     async def list_models(self, _: Request) -> Response:
         return Response(self.models_body, media_type="application/json")
-
-    async def metrics(self, request: Request) -> Response:
-        if not self._allowed(request):
-            return self._unauthorized(request)
-        runtime = self.runtime
-        if runtime is None:
-            return Response(b"gateway is starting\n", status_code=503, media_type="text/plain")
-        body, content_type = await runtime.telemetry.exposition(request.headers.get("accept", ""))
-        return Response(body, headers={"content-type": content_type})
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
         if exc.status_code == 405:
@@ -369,9 +263,9 @@ def create_app(settings: Settings | None = None) -> Gateway:
         # A worker of `sluice serve --workers N` (uvicorn imports the app in each): it exits with its supervisor.
         lifeline.arm()
         settings = load()
-        if os.environ.get("SLUICE_ACCESS_LOG") == "1":  # `serve --workers N --access-log` sets it
+        if os.environ.get(handoff.ACCESS_LOG) == "1":  # `serve --workers N --access-log` sets it
             settings = settings.model_copy(update={"log": settings.log.model_copy(update={"access": True})})
-        listen = os.environ.get(LISTEN, "")
+        listen = os.environ.get(handoff.LISTEN, "")
         if listen:  # where the supervisor listens (`--host`, `--port`): what decides who sees the admin routes
             host, _, port = listen.rpartition(":")
             settings = settings.model_copy(update={"listen": Listen(host=host, port=int(port))})
@@ -390,13 +284,3 @@ def proxy_route(path: str) -> tuple[str, str | None] | None:
         if endpoint is not None:
             return endpoint, deployment
     return None
-
-
-def loopback(host: str) -> bool:
-    """Whether a listen address is reachable from this host only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything

@@ -50,9 +50,9 @@ def serve(args: argparse.Namespace) -> None:
 
     import uvicorn
 
-    from gateway.server import lifeline
+    from gateway import handoff
     from gateway.settings import Listen, LogSettings
-    from gateway.telemetry import logs, metric_files
+    from gateway.telemetry import logs
     from gateway.upstream import descriptors
 
     settings = _config(args.config)
@@ -84,21 +84,21 @@ def serve(args: argparse.Namespace) -> None:
     if args.workers > 1:
         # Workers import the app themselves; they find the same config through the environment.
         if args.config:
-            os.environ["SLUICE_CONFIG"] = os.path.abspath(args.config)
+            os.environ[handoff.CONFIG] = os.path.abspath(args.config)
         if log.access:
-            os.environ["SLUICE_ACCESS_LOG"] = "1"
+            os.environ[handoff.ACCESS_LOG] = "1"
         # Each worker ties itself to this process and exits when it dies, however (gateway/server/lifeline.py).
-        os.environ[lifeline.SUPERVISOR] = str(os.getpid())
-        os.environ["SLUICE_LISTEN"] = f"{listen.host}:{listen.port}"  # what --host and --port made of the config
+        os.environ[handoff.SUPERVISOR] = str(os.getpid())
+        os.environ[handoff.LISTEN] = f"{listen.host}:{listen.port}"  # what --host and --port made of the config
         # Each worker writes its metrics to files in this directory, in batches, and a scrape sums them
         # (gateway/telemetry/metric_files.py). A PROMETHEUS_MULTIPROC_DIR given is used as that directory,
         # but not passed on as such: it would put prometheus_client in its own mode, one file write per observation.
         metrics_dir = None
-        given = os.environ.pop("PROMETHEUS_MULTIPROC_DIR", "")
+        given = os.environ.pop(handoff.PROMETHEUS_DIR, "")
         if given:
-            os.environ[metric_files.ENVIRONMENT] = given
+            os.environ[handoff.METRICS_DIR] = given
         else:
-            metrics_dir = os.environ[metric_files.ENVIRONMENT] = tempfile.mkdtemp(prefix="sluice-metrics-")
+            metrics_dir = os.environ[handoff.METRICS_DIR] = tempfile.mkdtemp(prefix="sluice-metrics-")
         try:
             uvicorn.run("gateway.app:create_app", factory=True, workers=args.workers, **options)  # type: ignore[arg-type]
         finally:

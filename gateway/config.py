@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from gateway import handoff
 from gateway.plugin import BUILTIN, Configured, Problem, Schema, advice_of, checks_of, load_class, schema_of
 from gateway.settings import ConfigError, ModelSettings, Settings, TenantSettings, references
 
@@ -63,7 +64,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Settings:
 def read(path: str | os.PathLike[str] | None = None) -> tuple[str, str]:
     """(text, where it came from) of the config `load` would use."""
     if path is None:
-        path = os.environ.get("SLUICE_CONFIG") or (DEFAULT_PATH if DEFAULT_PATH.exists() else None)
+        path = os.environ.get(handoff.CONFIG) or (DEFAULT_PATH if DEFAULT_PATH.exists() else None)
     if path is None:
         return QUICKSTART_YAML, QUICKSTART
     try:

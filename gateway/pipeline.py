@@ -37,7 +37,7 @@ from gateway.wire.marks import stream_rules
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
-    from gateway.plugin import Plugin
+    from gateway.plugin import Hooks, OnComplete, OnFailure, OnRequest, OnResponse, Plugin
     from gateway.server.responder import Responder
     from gateway.settings import Settings
     from gateway.telemetry.recorder import Telemetry
@@ -67,10 +67,10 @@ class Pipeline:
     ) -> None:
         self.upstreams = upstreams
         self.telemetry = telemetry
-        self.on_request = hooks(plugins, "on_request")
-        self.on_failure = hooks(plugins, "on_failure")
-        self.on_response = hooks(plugins, "on_response")
-        self.on_complete = hooks(plugins, "on_complete")
+        self.on_request: Hooks[OnRequest] = hooks(plugins, "on_request")
+        self.on_failure: Hooks[OnFailure] = hooks(plugins, "on_failure")
+        self.on_response: Hooks[OnResponse] = hooks(plugins, "on_response")
+        self.on_complete: Hooks[OnComplete] = hooks(plugins, "on_complete")
         self._background: set[asyncio.Task[None]] = set()
         self.access = logging.getLogger("sluice.access") if settings.log.access else None
         self.inflight = 0

@@ -40,15 +40,18 @@ attributes `sluice.<label>`), `ex.attributes[...]` for extra span attributes. It
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeAlias, TypeVar, overload
 
 from pydantic import BaseModel
 
 from gateway.settings import Strict
 
 if TYPE_CHECKING:
+    from gateway.context import Exchange
+    from gateway.errors import GatewayError
+    from gateway.runtime import Runtime
     from gateway.settings import Settings
 
 BUILTIN = {
@@ -197,6 +200,69 @@ def load_class(spec: str) -> type[Plugin]:
     return cls  # type: ignore[no-any-return]
 
 
-def hooks(plugins: list[Plugin], name: str) -> tuple[tuple[str, Callable[..., Any]], ...]:
-    """(plugin name, bound hook) for every plugin that defines hook `name`, in order."""
+# Each hook's signature, as the pipeline and the runtime call it (see the module's docstring for when).
+Startup: TypeAlias = "Callable[[Runtime], Awaitable[None]]"
+OnRequest: TypeAlias = "Callable[[Exchange], Awaitable[Reply | None]]"
+OnFailure: TypeAlias = "Callable[[Exchange, GatewayError], Awaitable[Reply | None]]"
+OnResponse: TypeAlias = "Callable[[Exchange, ResponseHead], Awaitable[Tap | None]]"
+OnComplete: TypeAlias = "Callable[[Exchange, Outcome], Awaitable[None]]"
+Shutdown: TypeAlias = "Callable[[], Awaitable[None]]"
+HookT = TypeVar("HookT")
+Hooks: TypeAlias = tuple[tuple[str, HookT], ...]  # (plugin name, bound hook), in the config's order
+
+
+# The same signatures as protocols a plugin class satisfies, one a hook: what mypy checks a plugin's hooks
+# against (tests/unit/test_plugin_contract.py names every built-in plugin under each hook it defines).
+class StartsUp(Protocol):
+    async def startup(self, runtime: Runtime) -> None: ...
+
+
+class HandlesRequest(Protocol):
+    async def on_request(self, ex: Exchange) -> Reply | None: ...
+
+
+class HandlesFailure(Protocol):
+    async def on_failure(self, ex: Exchange, error: GatewayError) -> Reply | None: ...
+
+
+class HandlesResponse(Protocol):
+    async def on_response(self, ex: Exchange, head: ResponseHead) -> Tap | None: ...
+
+
+class HandlesComplete(Protocol):
+    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None: ...
+
+
+class ShutsDown(Protocol):
+    async def shutdown(self) -> None: ...
+
+
+HOOKS: Mapping[str, type[Any]] = {
+    "startup": StartsUp,
+    "on_request": HandlesRequest,
+    "on_failure": HandlesFailure,
+    "on_response": HandlesResponse,
+    "on_complete": HandlesComplete,
+    "shutdown": ShutsDown,
+}
+
+
+@overload
+def hooks(plugins: Sequence[Plugin], name: Literal["startup"]) -> Hooks[Startup]: ...
+@overload
+def hooks(plugins: Sequence[Plugin], name: Literal["on_request"]) -> Hooks[OnRequest]: ...
+@overload
+def hooks(plugins: Sequence[Plugin], name: Literal["on_failure"]) -> Hooks[OnFailure]: ...
+@overload
+def hooks(plugins: Sequence[Plugin], name: Literal["on_response"]) -> Hooks[OnResponse]: ...
+@overload
+def hooks(plugins: Sequence[Plugin], name: Literal["on_complete"]) -> Hooks[OnComplete]: ...
+@overload
+def hooks(plugins: Sequence[Plugin], name: Literal["shutdown"]) -> Hooks[Shutdown]: ...
+def hooks(plugins: Sequence[Plugin], name: str) -> Hooks[Callable[..., Awaitable[Any]]]:
+    """(plugin name, bound hook) for every plugin that defines hook `name`, in order.
+
+    Plugins are loaded by name, so a hook's type is asserted here, once, from its name: the one place the
+    signature is taken on trust (the plugins' own classes are checked against the protocols above).
+    """
     return tuple((p.name, getattr(p, name)) for p in plugins if callable(getattr(p, name, None)))

@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
-from gateway import __version__
 from gateway.messages.api import Messages
 from gateway.pipeline import Pipeline
 from gateway.plugin import Plugin, hooks, load_class
@@ -84,18 +82,6 @@ class Runtime:
         # Ready once every warm-up was attempted, whatever came of it: a backend that is down is routed
         # around and retried in the background, and taking this pod out of rotation would not bring it back.
         return self.started and self.upstreams.ready
-
-    def status(self) -> dict[str, Any]:
-        """What `/status` and `/readyz` show: readiness, each backend's state, Redis, the plugins."""
-        store = self.store
-        return {
-            "status": "ready" if self.ready else "starting",
-            "version": __version__,
-            "uptime_s": round(time.monotonic() - self.created, 1),
-            "backends": self.upstreams.report(),
-            "redis": {"configured": store is not None, "reachable": None if store is None else not store.down},
-            "plugins": list(self.settings.plugins),
-        }
 
     async def _redis_state(self) -> str:
         if self.store is None:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from gateway import errors
 from gateway.messages import refusals
-from gateway.messages.backends import Native, Translated, Wrapped, chains
+from gateway.messages.backends import Native, Translated, chains
 from gateway.messages.intake import COUNT_TOKENS, MESSAGES, parse
 from gateway.server.intake import Door
-from gateway.upstream.providers.http import HttpProvider
 
 if TYPE_CHECKING:
     from starlette.types import Message
@@ -95,13 +94,13 @@ class Messages:
     """The Messages API's targets and handlers; built at start-up."""
 
     def __init__(self, settings: Settings, upstreams: Upstreams) -> None:
-        wrappers: dict[str, Wrapped] = {}
+        wrappers: dict[str, Native | Translated] = {}
         for name, backend in settings.backends.items():
-            provider = upstreams.providers[name]
-            if native(backend) and isinstance(provider, HttpProvider):
-                wrappers[name] = Native(provider, getattr(backend, "anthropic_version", None))
+            http = upstreams.http.get(name)  # None: the simulated kind, which writes no request to pass through
+            if native(backend) and http is not None:
+                wrappers[name] = Native(http, getattr(backend, "anthropic_version", None))
             else:
-                wrappers[name] = Translated(provider, getattr(backend, "prompt_cache_key", False))
+                wrappers[name] = Translated(upstreams.providers[name], getattr(backend, "prompt_cache_key", False))
         self.chains: dict[str, tuple[Target, ...]] = chains(upstreams.chains, wrappers)
         native_ones = [name for name, wrapper in wrappers.items() if isinstance(wrapper, Native)]
         # The intake's door for this API: its own parse and chains, no routing step, Anthropic's errors.

@@ -27,8 +27,11 @@ from gateway.context import Exchange, Target
 from gateway.messages.chat_reply import StreamTranslator, whole
 from gateway.messages.chat_request import to_chat, with_top_k
 from gateway.messages.intake import COUNT_TOKENS
+from gateway.upstream.providers.base import View
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from gateway.upstream.providers.base import Provider, UpstreamResponse
     from gateway.upstream.providers.http import HttpProvider
 
@@ -148,18 +151,14 @@ class StreamAnswer:
         self.inner.close()
 
 
-class Wrapped:
-    """What the attempt loop and telemetry read of a provider, taken from the backend's own."""
-
-    reports_usage = True
-    usage_of_first_choice = False
+class Wrapped(View):
+    """A backend answering Messages requests: the backend's own provider but for how it sends them."""
 
     def __init__(self, inner: Provider) -> None:
-        self.inner = inner
-        self.kind = inner.kind
-        self.system = inner.system
-        self.url = getattr(inner, "url", None)
-        self.health = inner.health  # read by the attempt loop: a backend known down is tried last
+        super().__init__(inner)
+        # What a Messages answer reports is made here (translated or passed through), whatever the backend's.
+        self.reports_usage = True
+        self.usage_of_first_choice = False
 
 
 def session_of(ex: Exchange) -> bytes | None:
@@ -238,7 +237,7 @@ class Native(Wrapped):
         return await http.endpoints.send(ex, http.route, b"POST", path, headers, body)
 
 
-def chains(targets: dict[str, tuple[Target, ...]], providers: dict[str, Any]) -> dict[str, tuple[Target, ...]]:
+def chains(targets: dict[str, tuple[Target, ...]], providers: Mapping[str, Provider]) -> dict[str, tuple[Target, ...]]:
     """Each model's chain with every target seen through the Messages API (`providers`: backend -> wrapper)."""
     return {
         model: tuple(Target(t.model, t.backend, t.upstream_model, t.settings, providers[t.backend]) for t in chain)

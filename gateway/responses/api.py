@@ -34,10 +34,12 @@ from gateway.state.store import StoreUnavailable
 from gateway.upstream.health import Health
 
 if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
     from gateway.settings import Settings
     from gateway.state.store import Store
     from gateway.upstream.attempts import Upstreams
-    from gateway.upstream.providers.base import UpstreamResponse
+    from gateway.upstream.providers.base import Provider, UpstreamResponse
 
 log = logging.getLogger("sluice.responses")
 
@@ -59,6 +61,22 @@ class Run:
         self.system = system
         self.url = None
         self.health = Health("background")
+        self.ready = True
+
+    async def start(self) -> None:
+        return None
+
+    def report(self) -> dict[str, Any]:
+        return self.health.report()
+
+    def instrument(self, gauge: Gauge) -> None:
+        return None  # no endpoints: the jobs run in this process
+
+    def in_service(self) -> int:
+        return 1
+
+    async def aclose(self) -> None:
+        return None  # the jobs are Background's to end
 
 
 class Starter(Run):
@@ -230,7 +248,7 @@ class Responses:
         await self.index.aclose()
 
 
-def _rewrap(target: Target, provider: Any, timed: bool = True) -> Target:
+def _rewrap(target: Target, provider: Provider, timed: bool = True) -> Target:
     """`target` served by `provider`; `timed=False` drops the first-token deadline and hedging, which are
     about a model generating, not about reading what a job stored (a queued job has no first token yet)."""
     settings = target.settings

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gateway.state.store import StoreUnavailable
+from gateway.upstream.providers.base import View
 
 if TYPE_CHECKING:
     from gateway.context import Exchange, Target
@@ -281,18 +282,12 @@ class Noted:
         self._inner.close()
 
 
-class Indexing:
+class Indexing(View):
     """A provider seen through the Responses API: created ids are noted with the tenant and model."""
 
     def __init__(self, inner: Provider, index: ResponseIndex) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.index = index
-        self.kind = inner.kind
-        self.system = inner.system
-        self.url = getattr(inner, "url", None)  # read by tracing for the server address
-        self.health = inner.health  # read by the attempt loop: a backend known down is tried last
-        self.reports_usage = inner.reports_usage
-        self.usage_of_first_choice = inner.usage_of_first_choice
 
     async def send(self, ex: Exchange, target: Target) -> UpstreamResponse:
         response = await self.inner.send(ex, target)

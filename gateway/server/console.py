@@ -43,10 +43,12 @@ class Console:
         runtime: Callable[[], Runtime | None],
         allowed: Callable[[Request], bool],
         unauthorized: Callable[[Request], Response],
+        status: Callable[[Runtime], dict[str, Any]],
     ) -> None:
         self.runtime = runtime
         self.allowed = allowed
         self.unauthorized = unauthorized
+        self.status = status  # what /status shows, which the state view extends
         self.html = page()  # read once: the page does not change while the gateway runs
 
     def routes(self) -> list[Route]:
@@ -113,7 +115,7 @@ class Console:
         slo = {
             sample["model"]: sample["state"] for sample in gauges["sluice_slo_state"] if sample["value"] > 0
         }  # the state each model is in (1), of the states it has been in (0)
-        return {**runtime.status(), "slo": slo, "endpoints": gauges["sluice_endpoint_up"]}
+        return {**self.status(runtime), "slo": slo, "endpoints": gauges["sluice_endpoint_up"]}
 
 
 # The page's own policy: its inline script and style only, data from this origin, nothing from elsewhere.

@@ -12,7 +12,7 @@ worker builds its app:
   SIGTERM and, `EXIT_AFTER_S` later, ends the process whatever it is doing, so that a graceful stop that
   waits on requests (`shutdown.grace_s` is 30 s by default) or a stuck one cannot keep an orphan alive.
 
-The supervisor's pid comes in the environment (`SUPERVISOR`), set by `sluice serve` before it starts the
+The supervisor's pid comes in the environment (`handoff.SUPERVISOR`), set by `sluice serve` before it starts the
 workers; a process without it (one worker, the tests, an embedding) arms nothing.
 """
 
@@ -28,9 +28,10 @@ import sys
 import threading
 import time
 
+from gateway import handoff
+
 log = logging.getLogger("sluice")
 
-SUPERVISOR = "SLUICE_SUPERVISOR_PID"
 EXIT_AFTER_S = 1.5  # from the supervisor's death to the worker's exit, at the latest
 POLL_S = 0.2  # the parent-pid watch, where no pidfd can be had
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -38,7 +39,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def arm() -> bool:
     """Tie this worker to the supervisor named in the environment; whether there was one to tie to."""
-    text = os.environ.get(SUPERVISOR, "")
+    text = os.environ.get(handoff.SUPERVISOR, "")
     if not text.isdigit():
         return False
     supervisor = int(text)

@@ -27,9 +27,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from gateway import handoff
+
 log = logging.getLogger("sluice.telemetry")
 
-ENVIRONMENT = "SLUICE_METRICS_DIR"  # set by `sluice serve --workers N` for its workers
 WRITE_INTERVAL_S = 1.0
 ASK_TIMEOUT_S = 0.5  # a scrape's wait for the other workers' writes
 ASK, WRITTEN = b"w", b"k"
@@ -41,7 +42,7 @@ def forget(path: Path) -> None:
 
 
 def directory() -> str | None:
-    return os.environ.get(ENVIRONMENT) or None
+    return os.environ.get(handoff.METRICS_DIR) or None
 
 
 class MetricFiles:

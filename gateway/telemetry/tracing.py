@@ -246,8 +246,8 @@ class Tracing:
     def server(self, target: Target) -> tuple[str, int] | None:
         """server.address and server.port of a target's upstream, where it has one (not the simulated kind)."""
         if target.backend not in self.servers:
-            url = getattr(target.provider, "url", None)
-            parts = urlsplit(url) if isinstance(url, str) else None
+            url = target.provider.url
+            parts = urlsplit(url) if url is not None else None
             self.servers[target.backend] = (
                 (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
                 if parts is not None and parts.hostname

@@ -36,7 +36,21 @@ from gateway.wire.marks import stream_rules
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
-    from gateway.settings import Settings
+    from gateway.settings import (
+        AnthropicBackend,
+        AzureBackend,
+        LlamaCppBackend,
+        OllamaBackend,
+        OpenAIBackend,
+        PoolSettings,
+        Settings,
+        TGIBackend,
+        VLLMBackend,
+    )
+
+    HttpBackend = (
+        OpenAIBackend | AzureBackend | VLLMBackend | TGIBackend | LlamaCppBackend | OllamaBackend | AnthropicBackend
+    )
     from gateway.telemetry.metrics import Meter
     from gateway.upstream.providers.base import Provider, UpstreamResponse
 
@@ -84,31 +98,36 @@ class Plan:
         self.next += 1
 
 
-def build_provider(name: str, settings: Settings) -> Provider:
-    backend = settings.backends[name]
-    if backend.type == "simulated":
-        profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens)
-        return SimulatedProvider(profile, name)
+def build_http(name: str, backend: HttpBackend, pool: PoolSettings) -> HttpProvider:
     if backend.type == "azure":
-        return AzureProvider(name, backend, settings.pool)
+        return AzureProvider(name, backend, pool)
     if backend.type == "vllm":
-        return VLLMProvider(name, backend, settings.pool)
+        return VLLMProvider(name, backend, pool)
     if backend.type == "tgi":
-        return TGIProvider(name, backend, settings.pool)
+        return TGIProvider(name, backend, pool)
     if backend.type == "llamacpp":
-        return LlamaCppProvider(name, backend, settings.pool)
+        return LlamaCppProvider(name, backend, pool)
     if backend.type == "ollama":
-        return OllamaProvider(name, backend, settings.pool)
+        return OllamaProvider(name, backend, pool)
     if backend.type == "anthropic":
-        return AnthropicProvider(name, backend, settings.pool)
-    return OpenAIProvider(name, backend, settings.pool)
+        return AnthropicProvider(name, backend, pool)
+    return OpenAIProvider(name, backend, pool)
 
 
 class Upstreams:
     """Every backend's provider and every public model's targets, built once at start-up."""
 
     def __init__(self, settings: Settings) -> None:
-        self.providers: dict[str, Provider] = {name: build_provider(name, settings) for name in settings.backends}
+        self.providers: dict[str, Provider] = {}
+        # The HTTP backends' providers as their own class, for what writes their requests itself (the Messages
+        # API passes a client's bytes through to a backend that serves that API).
+        self.http: dict[str, HttpProvider] = {}
+        for name, backend in settings.backends.items():
+            if backend.type == "simulated":
+                profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens)
+                self.providers[name] = SimulatedProvider(profile, name)
+            else:
+                self.providers[name] = self.http[name] = build_http(name, backend, settings.pool)
         self.targets: dict[str, Target] = {
             model: Target(
                 model=model,
@@ -158,8 +177,7 @@ class Upstreams:
             mode="livemin",
         )
         for provider in self.providers.values():
-            if isinstance(provider, HttpProvider):
-                provider.endpoints.instrument(gauge)
+            provider.instrument(gauge)
 
     async def start(self) -> None:
         await asyncio.gather(*(p.start() for p in self.providers.values()))
@@ -170,10 +188,7 @@ class Upstreams:
         return all(p.ready for p in self.providers.values())
 
     def report(self) -> dict[str, dict[str, object]]:
-        return {
-            name: provider.report() if isinstance(provider, HttpProvider) else provider.health.report()
-            for name, provider in self.providers.items()
-        }
+        return {name: provider.report() for name, provider in self.providers.items()}
 
     async def aclose(self) -> None:
         await asyncio.gather(*(p.aclose() for p in self.providers.values()), return_exceptions=True)

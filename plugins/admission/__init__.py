@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway import errors
@@ -58,13 +58,6 @@ def _default_rank(section: AdmissionSection) -> int:
 
 def _rank(section: AdmissionSection, name: str) -> int:
     return next(i for i, c in enumerate(section.classes) if c.name == name)
-
-
-def _in_service(endpoints: Any) -> Callable[[], int]:
-    """How many endpoints a backend has in service now (the built-in simulated backend: one)."""
-    if endpoints is None:
-        return lambda: 1
-    return lambda: len(endpoints.live)
 
 
 class Admission:
@@ -130,7 +123,7 @@ class Admission:
             self.gates[backend] = Gate(
                 backend,
                 capacity.max_in_flight,
-                _in_service(getattr(providers[backend], "endpoints", None)),
+                providers[backend].in_service,
                 len(self.classes),
                 self._weight,
                 capacity.max_queue,

@@ -25,12 +25,12 @@ RANKS = {
     "upstream": 6,
     "simulation": 5,
     "telemetry": 4,
-    "contract": 3,  # gateway/__init__, settings, context, plugin, errors
+    "contract": 3,  # gateway/__init__, settings, context, plugin, errors, handoff
     "wire": 2,
     "state": 1,
 }
 TOP = {"app", "cli", "runtime", "config", "pipeline"}
-CONTRACT = {"settings", "context", "plugin", "errors"}
+CONTRACT = {"settings", "context", "plugin", "errors", "handoff"}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from gateway.upstream.health import Health
 from gateway.upstream.pool import PoolLimits
 
 if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
     from gateway.context import Exchange, Target
     from gateway.settings import PoolSettings, RemoteBackend
     from gateway.upstream.providers.base import UpstreamResponse
@@ -144,6 +146,12 @@ class HttpProvider:
         if len(self.endpoints.urls) > 1 or self.endpoints.discovery is not None:
             report["endpoints"] = self.endpoints.report()
         return report
+
+    def instrument(self, gauge: Gauge) -> None:
+        self.endpoints.instrument(gauge)
+
+    def in_service(self) -> int:
+        return len(self.endpoints.live)
 
     async def aclose(self) -> None:
         await self.endpoints.aclose()

@@ -19,6 +19,8 @@ from gateway.upstream.health import Health
 from gateway.wire import response_events
 
 if TYPE_CHECKING:
+    from prometheus_client import Gauge
+
     from gateway.context import Exchange, Target
 
 
@@ -104,6 +106,8 @@ class SimulatedProvider:
     reports_usage = True
     usage_of_first_choice = False
 
+    url = None  # in-process: no address
+
     def __init__(self, profile: Profile, name: str = "simulated") -> None:
         self.profile = profile
         self.health = Health(name)
@@ -168,6 +172,15 @@ class SimulatedProvider:
             body = b"".join(response_events.sse(e) for e in events if e["sequence_number"] > after)
             return Reply(200, b"text/event-stream", [body], 0.0, 0.0)
         return json_reply(200, response)
+
+    def report(self) -> dict[str, Any]:
+        return self.health.report()
+
+    def instrument(self, gauge: Gauge) -> None:
+        return None  # no endpoints: in-process
+
+    def in_service(self) -> int:
+        return 1
 
     async def aclose(self) -> None:
         return None

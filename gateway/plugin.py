@@ -58,6 +58,7 @@ BUILTIN = {
     "slo": "plugins.slo:Slo",
     "semantic_cache": "plugins.semantic_cache:SemanticCache",
     "admission": "plugins.admission:Admission",
+    "cascade": "plugins.cascade:Cascade",
 }
 # Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
 # add_arguments(parser) and main(args) -> exit code, imported only when its command runs.

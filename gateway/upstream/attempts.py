@@ -87,7 +87,8 @@ class Plan:
 def build_provider(name: str, settings: Settings) -> Provider:
     backend = settings.backends[name]
     if backend.type == "simulated":
-        profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens)
+        failures = tuple((backend.failures or {}).items())
+        profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens, failures=failures)
         return SimulatedProvider(profile, name)
     if backend.type == "azure":
         return AzureProvider(name, backend, settings.pool)

@@ -65,7 +65,7 @@ def shape(body: dict[str, Any], choice: dict[str, Any], words: list[str], fault:
         message["content"] = content[: max(1, len(content) // 2)]
         message.pop("tool_calls", None)
         choice["finish_reason"] = "length"
-    elif fault == "json" and wants_json:
+    elif fault == "json" and wants_json and isinstance(message["content"], str):
         message["content"] = message["content"][:-2]  # the closing quote and brace lost
     if body.get("logprobs") is True:
         value = POOR_LOGPROB if fault == "logprob" else GOOD_LOGPROB

@@ -34,7 +34,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (the name http.server calls)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 status = 500 if receiver.failing else 204
                 receiver.got.append(({k.lower(): v for k, v in self.headers.items()}, body, status))

@@ -18,7 +18,7 @@ import pytest
 
 from gateway.simulation import faults
 from gateway.simulation.answers import _canonical
-from tests.support.gateway import RunningGateway, gateway_thread
+from tests.support.gateway import RunningGateway, free_port, gateway_thread
 from tests.support.wait import wait_until
 
 MIX = {"empty": 0.15, "length": 0.15, "json": 0.15, "tool_args": 0.15, "logprob": 0.15}
@@ -146,3 +146,28 @@ def test_async_returns_the_small_answer_and_a_job_with_the_large_one() -> None:
         good = post(gw, None)
         assert good.headers["x-sluice-cascade"] == "small"
         assert "x-sluice-cascade-job" not in good.headers
+
+
+def test_a_failed_small_model_escalates_and_the_bound_is_a_504_with_nothing_to_keep() -> None:
+    text = f"""
+backends:
+  gone: {{type: openai, base_url: "http://127.0.0.1:{free_port()}/v1"}}
+  large: {{type: simulated, ttft_ms: LARGE, tpot_ms: 0, tokens: 4}}
+models:
+  chat: {{backend: large, cascade: {{small: chat-small, max_total_ms: 400}}}}
+  chat-small: {{backend: gone}}
+pool: {{warm_connections: 0}}
+plugins: [cascade]
+"""
+    with gateway_thread(text.replace("LARGE", "20")) as gw:
+        response = post(gw, None)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-sluice-cascade"] == "escalated"
+        assert response.headers["x-sluice-cascade-reason"] == "error_502"
+        assert response.headers["x-sluice-model"] == "chat"
+    with gateway_thread(text.replace("LARGE", "3000")) as gw:
+        began = time.perf_counter()
+        response = post(gw, None)
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "cascade_timeout"
+        assert time.perf_counter() - began < 2.5

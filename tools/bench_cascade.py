@@ -1,0 +1,156 @@
+"""`sluice bench --scenario cascade`: what the small model first costs and saves, on simulated models.
+
+One gateway process (`sluice serve`) with two in-process simulated backends: `small` (TTFT `SMALL_MS`),
+scripted to answer `FAILURE_SHARE` of the requests badly in the five ways the checks see (empty, cut by length,
+invalid JSON, a tool call that does not parse, low log-probabilities: `failures:` of a simulated backend), and
+`large` (TTFT `LARGE_MS`). Whole (non-streamed) chat requests asking for a JSON object, one at a time:
+
+- `small direct` and `large direct`: the models called by name, no cascade;
+- `cascade, good answers`: prompts the small model answers well, through `chat` (cascade with every check and
+  a log-probability bound): the small-first path; its added latency over `small direct` is the difference of
+  the gateway's own time (`x-sluice-overhead-ms`, which leaves out the upstreams' time) and of the client's;
+- `cascade, mix`: varied prompts, the scripted share spoiled: the escalation rate by reason, and what an
+  escalation costs the client over `large direct`;
+- `cascade async, mix`: the same through `chat-async` (`mode: async`): every answer is the small one, the
+  failed ones with a background job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from gateway.simulation import faults
+from gateway.simulation.answers import _canonical
+from gateway.telemetry.quantiles import percentile
+from tools.bench_overload import Gateway
+
+SMALL_MS, LARGE_MS, TOKENS = 20.0, 200.0, 16
+FAILURE_SHARE = 0.25
+KINDS = ("empty", "length", "json", "tool_args", "logprob")
+MIX = tuple((kind, FAILURE_SHARE / len(KINDS)) for kind in KINDS)
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+def config() -> str:
+    mix = ", ".join(f"{kind}: {share}" for kind, share in MIX)
+    cascade = "small: small-direct, max_total_ms: 5000, min_mean_logprob: -1.0"
+    return f"""
+backends:
+  small: {{type: simulated, ttft_ms: {SMALL_MS}, tpot_ms: 0, tokens: {TOKENS}, failures: {{{mix}}}}}
+  large: {{type: simulated, ttft_ms: {LARGE_MS}, tpot_ms: 0, tokens: {TOKENS}}}
+models:
+  chat: {{backend: large, cascade: {{{cascade}}}}}
+  chat-async: {{backend: large, cascade: {{{cascade}, mode: async}}}}
+  small-direct: {{backend: small}}
+  large-direct: {{backend: large}}
+plugins: [cascade]
+"""
+
+
+@dataclass
+class Run:
+    total_ms: list[float] = field(default_factory=list)
+    own_ms: list[float] = field(default_factory=list)
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    escalated_ms: list[float] = field(default_factory=list)
+    failed: int = 0
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"question number {i}"}]
+
+
+def good_prompts(count: int) -> list[int]:
+    found: list[int] = []
+    i = 0
+    while len(found) < count:
+        if faults.pick(MIX, b"fault\0" + _canonical(messages(i), "messages")) is None:
+            found.append(i)
+        i += 1
+    return found
+
+
+async def drive(base: str, model: str, prompts: list[int]) -> Run:
+    run = Run()
+    async with httpx.AsyncClient(timeout=30) as client:
+        for n, i in enumerate(prompts):
+            body = {"model": model, "messages": messages(i), "response_format": {"type": "json_object"}}
+            if n % 5 == 4:
+                body["tools"] = TOOLS  # a fifth ask for a tool call: its arguments are checked
+            started = time.perf_counter()
+            response = await client.post(f"{base}/v1/chat/completions", json=body)
+            elapsed = (time.perf_counter() - started) * 1000.0
+            if response.status_code != 200:
+                run.failed += 1
+                continue
+            run.total_ms.append(elapsed)
+            run.own_ms.append(float(response.headers["x-sluice-overhead-ms"]))
+            outcome = response.headers.get("x-sluice-cascade", "none")
+            reason = response.headers.get("x-sluice-cascade-reason")
+            run.outcomes[f"{outcome}:{reason}" if reason else outcome] += 1
+            if outcome == "escalated":
+                run.escalated_ms.append(elapsed)
+    return run
+
+
+def p(values: list[float], q: float) -> float:
+    return percentile(sorted(values), q) if values else float("nan")
+
+
+def main(count: int = 400) -> int:
+    good = good_prompts(count)
+    mixed = list(range(100_000, 100_000 + count))
+    with tempfile.TemporaryDirectory() as tmp:
+        gateway = Gateway(config(), Path(tmp))
+        try:
+            asyncio.run(drive(gateway.base, "small-direct", good[:50]))  # warm-up
+            runs = {
+                "small direct": asyncio.run(drive(gateway.base, "small-direct", good)),
+                "cascade, good answers": asyncio.run(drive(gateway.base, "chat", good)),
+                "large direct": asyncio.run(drive(gateway.base, "large-direct", mixed)),
+                "cascade, mix": asyncio.run(drive(gateway.base, "chat", mixed)),
+                "cascade async, mix": asyncio.run(drive(gateway.base, "chat-async", mixed)),
+            }
+        finally:
+            gateway.stop()
+    print(report(runs, count))
+    return 1 if any(run.failed for run in runs.values()) else 0
+
+
+def report(runs: dict[str, Run], count: int) -> str:
+    lines = [
+        f"Cascade: small model TTFT {SMALL_MS:g} ms with {FAILURE_SHARE:.0%} of answers scripted to fail "
+        f"({', '.join(KINDS)}), large {LARGE_MS:g} ms; {count} sequential whole requests per run.",
+        "",
+        "| run | requests | p50 ms | p99 ms | gateway's own p50 ms | own p99 ms | outcomes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(run.outcomes.items()))
+        lines.append(
+            f"| {name} | {len(run.total_ms)} | {p(run.total_ms, 0.5):.2f} | {p(run.total_ms, 0.99):.2f} "
+            f"| {p(run.own_ms, 0.5):.3f} | {p(run.own_ms, 0.99):.3f} | {outcomes} |"
+        )
+    small, first = runs["small direct"], runs["cascade, good answers"]
+    mix, large = runs["cascade, mix"], runs["large direct"]
+    escalated = sum(v for k, v in mix.outcomes.items() if k.startswith("escalated"))
+    own = p(first.own_ms, 0.5) - p(small.own_ms, 0.5)
+    client = p(first.total_ms, 0.5) - p(small.total_ms, 0.5)
+    lines += [
+        "",
+        "Small-first path's added latency over calling the small model directly (p50): gateway's own "
+        f"{own:+.3f} ms, client's {client:+.3f} ms.",
+        f"Escalation rate {escalated / max(1, len(mix.total_ms)):.1%}; an escalated request p50 "
+        f"{p(mix.escalated_ms, 0.5):.1f} ms against {p(large.total_ms, 0.5):.1f} ms for the large model direct "
+        f"(+{p(mix.escalated_ms, 0.5) - p(large.total_ms, 0.5):.1f} ms: the small attempt first); the mix's p50 "
+        f"{p(mix.total_ms, 0.5):.1f} ms, mean {sum(mix.total_ms) / max(1, len(mix.total_ms)):.1f} ms against "
+        f"the large model's mean {sum(large.total_ms) / max(1, len(large.total_ms)):.1f} ms.",
+    ]
+    return "\n".join(lines)

@@ -6,6 +6,7 @@ invalid JSON, a tool call that does not parse, low log-probabilities: `failures:
 `large` (TTFT `LARGE_MS`). Whole (non-streamed) chat requests asking for a JSON object, one at a time:
 
 - `small direct` and `large direct`: the models called by name, no cascade;
+  each prompt goes to the runs compared with each other in turn, so that the machine's drift touches all alike;
 - `cascade, good answers`: prompts the small model answers well, through `chat` (cascade with every check and
   a log-probability bound): the small-first path; its added latency over `small direct` is the difference of
   the gateway's own time (`x-sluice-overhead-ms`, which leaves out the upstreams' time) and of the client's;
@@ -77,27 +78,37 @@ def good_prompts(count: int) -> list[int]:
     return found
 
 
-async def drive(base: str, model: str, prompts: list[int]) -> Run:
-    run = Run()
+async def drive(base: str, models: tuple[str, ...], prompts: list[int]) -> list[Run]:
+    """Each prompt sent to each model in turn (interleaved, so that the machine's drift touches all alike)."""
+    runs = [Run() for _ in models]
     async with httpx.AsyncClient(timeout=30) as client:
         for n, i in enumerate(prompts):
-            body = {"model": model, "messages": messages(i), "response_format": {"type": "json_object"}}
-            if n % 5 == 4:
-                body["tools"] = TOOLS  # a fifth ask for a tool call: its arguments are checked
-            started = time.perf_counter()
-            response = await client.post(f"{base}/v1/chat/completions", json=body)
-            elapsed = (time.perf_counter() - started) * 1000.0
-            if response.status_code != 200:
-                run.failed += 1
-                continue
-            run.total_ms.append(elapsed)
-            run.own_ms.append(float(response.headers["x-sluice-overhead-ms"]))
-            outcome = response.headers.get("x-sluice-cascade", "none")
-            reason = response.headers.get("x-sluice-cascade-reason")
-            run.outcomes[f"{outcome}:{reason}" if reason else outcome] += 1
-            if outcome == "escalated":
-                run.escalated_ms.append(elapsed)
-    return run
+            for model, run in zip(models, runs, strict=True):
+                body: dict[str, object] = {
+                    "model": model,
+                    "messages": messages(i),
+                    "response_format": {"type": "json_object"},
+                }
+                if n % 5 == 4:
+                    body["tools"] = TOOLS  # a fifth ask for a tool call: its arguments are checked
+                await one(client, base, body, run)
+    return runs
+
+
+async def one(client: httpx.AsyncClient, base: str, body: dict[str, object], run: Run) -> None:
+    started = time.perf_counter()
+    response = await client.post(f"{base}/v1/chat/completions", json=body)
+    elapsed = (time.perf_counter() - started) * 1000.0
+    if response.status_code != 200:
+        run.failed += 1
+        return
+    run.total_ms.append(elapsed)
+    run.own_ms.append(float(response.headers["x-sluice-overhead-ms"]))
+    outcome = response.headers.get("x-sluice-cascade", "none")
+    reason = response.headers.get("x-sluice-cascade-reason")
+    run.outcomes[f"{outcome}:{reason}" if reason else outcome] += 1
+    if outcome == "escalated":
+        run.escalated_ms.append(elapsed)
 
 
 def p(values: list[float], q: float) -> float:
@@ -110,13 +121,15 @@ def main(count: int = 400) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         gateway = Gateway(config(), Path(tmp))
         try:
-            asyncio.run(drive(gateway.base, "small-direct", good[:50]))  # warm-up
+            asyncio.run(drive(gateway.base, ("small-direct", "chat"), good[:50]))  # warm-up
+            small, first = asyncio.run(drive(gateway.base, ("small-direct", "chat"), good))
+            large, mix, later = asyncio.run(drive(gateway.base, ("large-direct", "chat", "chat-async"), mixed))
             runs = {
-                "small direct": asyncio.run(drive(gateway.base, "small-direct", good)),
-                "cascade, good answers": asyncio.run(drive(gateway.base, "chat", good)),
-                "large direct": asyncio.run(drive(gateway.base, "large-direct", mixed)),
-                "cascade, mix": asyncio.run(drive(gateway.base, "chat", mixed)),
-                "cascade async, mix": asyncio.run(drive(gateway.base, "chat-async", mixed)),
+                "small direct": small,
+                "cascade, good answers": first,
+                "large direct": large,
+                "cascade, mix": mix,
+                "cascade async, mix": later,
             }
         finally:
             gateway.stop()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ backends:
   large: {{type: simulated, ttft_ms: {LARGE_MS}, tpot_ms: 0, tokens: {TOKENS}}}
 models:
   chat: {{backend: large, cascade: {{{cascade}}}}}
+  chat-plain: {{backend: large, cascade: {{small: small-direct, max_total_ms: 5000}}}}
   chat-async: {{backend: large, cascade: {{{cascade}, mode: async}}}}
   small-direct: {{backend: small}}
   large-direct: {{backend: large}}
@@ -111,6 +113,19 @@ async def one(client: httpx.AsyncClient, base: str, body: dict[str, object], run
         run.escalated_ms.append(elapsed)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def cpu_per_request(gateway: Gateway, model: str, prompts: list[int]) -> float:
+    """The gateway process's CPU seconds per request over `prompts` sent one at a time to `model`."""
+    before = cpu_seconds(gateway.proc.pid)
+    run = (await drive(gateway.base, (model,), prompts))[0]
+    return (cpu_seconds(gateway.proc.pid) - before) / max(1, len(run.total_ms))
+
+
 def p(values: list[float], q: float) -> float:
     return percentile(sorted(values), q) if values else float("nan")
 
@@ -121,11 +136,13 @@ def main(count: int = 400) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         gateway = Gateway(config(), Path(tmp))
         try:
-            asyncio.run(drive(gateway.base, ("small-direct", "chat"), good[:50]))  # warm-up
-            small, first = asyncio.run(drive(gateway.base, ("small-direct", "chat"), good))
+            asyncio.run(drive(gateway.base, ("small-direct", "chat-plain", "chat"), good[:50]))  # warm-up
+            small, plain, first = asyncio.run(drive(gateway.base, ("small-direct", "chat-plain", "chat"), good))
             large, mix, later = asyncio.run(drive(gateway.base, ("large-direct", "chat", "chat-async"), mixed))
+            cpu = {m: asyncio.run(cpu_per_request(gateway, m, good)) for m in ("small-direct", "chat-plain", "chat")}
             runs = {
                 "small direct": small,
+                "cascade without a log-probability bound, good answers": plain,
                 "cascade, good answers": first,
                 "large direct": large,
                 "cascade, mix": mix,
@@ -134,6 +151,13 @@ def main(count: int = 400) -> int:
         finally:
             gateway.stop()
     print(report(runs, count))
+    print(
+        f"Gateway process CPU per request, {count} sequential good answers each: small direct "
+        f"{cpu['small-direct'] * 1000:.3f} ms; cascade without a log-probability bound "
+        f"{cpu['chat-plain'] * 1000:.3f} ms ({(cpu['chat-plain'] - cpu['small-direct']) * 1000:+.3f} ms); with it "
+        f"{cpu['chat'] * 1000:.3f} ms ({(cpu['chat'] - cpu['small-direct']) * 1000:+.3f} ms, which includes the "
+        "in-process simulated model making the log-probabilities asked of it)."
+    )
     return 1 if any(run.failed for run in runs.values()) else 0
 
 
@@ -152,14 +176,16 @@ def report(runs: dict[str, Run], count: int) -> str:
             f"| {p(run.own_ms, 0.5):.3f} | {p(run.own_ms, 0.99):.3f} | {outcomes} |"
         )
     small, first = runs["small direct"], runs["cascade, good answers"]
+    plain = runs["cascade without a log-probability bound, good answers"]
     mix, large = runs["cascade, mix"], runs["large direct"]
     escalated = sum(v for k, v in mix.outcomes.items() if k.startswith("escalated"))
-    own = p(first.own_ms, 0.5) - p(small.own_ms, 0.5)
-    client = p(first.total_ms, 0.5) - p(small.total_ms, 0.5)
     lines += [
         "",
-        "Small-first path's added latency over calling the small model directly (p50): gateway's own "
-        f"{own:+.3f} ms, client's {client:+.3f} ms.",
+        "Small-first path's added latency over calling the small model directly (p50), gateway's own / client's: "
+        f"without a log-probability bound {p(plain.own_ms, 0.5) - p(small.own_ms, 0.5):+.3f} / "
+        f"{p(plain.total_ms, 0.5) - p(small.total_ms, 0.5):+.3f} ms; with it "
+        f"{p(first.own_ms, 0.5) - p(small.own_ms, 0.5):+.3f} / "
+        f"{p(first.total_ms, 0.5) - p(small.total_ms, 0.5):+.3f} ms.",
         f"Escalation rate {escalated / max(1, len(mix.total_ms)):.1%}; an escalated request p50 "
         f"{p(mix.escalated_ms, 0.5):.1f} ms against {p(large.total_ms, 0.5):.1f} ms for the large model direct "
         f"(+{p(mix.escalated_ms, 0.5) - p(large.total_ms, 0.5):.1f} ms: the small attempt first); the mix's p50 "

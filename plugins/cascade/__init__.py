@@ -81,6 +81,7 @@ class Cascade:
         self.chains: dict[str, tuple[Target, ...]] = {}
         self.starters: dict[str, Target] = {}
         self.counter: Any = None
+        self.series: dict[tuple[str, str, str], Any] = {}  # the counter's children, found once each
 
     async def startup(self, runtime: Runtime) -> None:
         self.upstreams = runtime.upstreams
@@ -192,4 +193,8 @@ class Cascade:
         if reason is not None:
             ex.attributes["sluice.cascade_reason"] = reason
         if self.counter is not None:
-            self.counter.labels(ex.model, outcome, reason or "").inc()
+            key = (ex.model, outcome, reason or "")
+            series = self.series.get(key)
+            if series is None:
+                series = self.series[key] = self.counter.labels(*key)
+            series.inc()

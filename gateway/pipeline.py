@@ -408,6 +408,7 @@ class Pipeline:
                 await self._send_pieces(send, head, answer.stream, outcome, taps)
             else:
                 await self._send_whole(send, head, answer.body, outcome, taps, direct)
+            outcome.usage = answer.usage
             return
         n = ex.json.get("n")
         choices = n if type(n) is int and n > 1 else 1

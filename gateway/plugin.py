@@ -117,6 +117,9 @@ class Reply:
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
     source: str = ""  # the plugin that answered
+    # The tokens upstreams spent on this answer, when a plugin called them for it (the cascade): the request's
+    # usage, as an upstream answer's would be. None: nothing was generated for it (a cache hit).
+    usage: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ import orjson
 
 from gateway import errors
 from gateway.plugin import Configured, Empty, Problem, Reply, Schema
+from gateway.server.relay import find_usage
 from plugins.cascade.checks import verdict, without_logprobs
 from plugins.cascade.config import CascadeModel, CascadeSpec
 
@@ -132,6 +133,7 @@ class Cascade:
         finally:
             ex.body, ex.json = body, data
         whole = opened.first
+        self._spent(ex, whole)
         try:
             document = orjson.loads(whole)
         except orjson.JSONDecodeError:
@@ -150,6 +152,7 @@ class Cascade:
         try:
             async with asyncio.timeout(deadline - time.perf_counter()):
                 opened = await self.upstreams.open(ex)
+            self._spent(ex, opened.first)
             return self._reply(ex, "escalated", reason, opened.first)
         except TimeoutError:
             failure = errors.UpstreamTimeoutError(
@@ -186,7 +189,22 @@ class Cascade:
         headers = [JSON, (HEADER, outcome.encode())]
         if reason is not None:
             headers.append((REASON_HEADER, reason.encode()))
-        return Reply(200, headers, body, source=NAME)
+        return Reply(200, headers, body, source=NAME, usage=ex.state.pop(NAME, None))
+
+    @staticmethod
+    def _spent(ex: Exchange, body: bytes) -> None:
+        """Add an answer's usage to the request's: both models' tokens count (the rate limiter, the metrics)."""
+        usage = find_usage(body[-2048:])
+        if usage is None:
+            return
+        total = ex.state.get(NAME)
+        if total is None:
+            ex.state[NAME] = {k: usage.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+            return
+        for key in total:
+            value = usage.get(key)
+            if type(value) is int:
+                total[key] += value
 
     def _count(self, ex: Exchange, outcome: str, reason: str | None) -> None:
         ex.attributes["sluice.cascade"] = outcome

@@ -171,3 +171,33 @@ plugins: [cascade]
         assert response.status_code == 504, response.text
         assert response.json()["error"]["code"] == "cascade_timeout"
         assert time.perf_counter() - began < 2.5
+
+
+def test_both_models_tokens_count_against_the_rate_limit() -> None:
+    text = config(extra="").replace(
+        "plugins: [cascade]",
+        "tenants:\n  t: {keys: [KEYHASH], rate_limit: {tokens_per_minute: 1000000}}\n"
+        "auth: {required: true}\nplugins: [auth, rate_limit, cascade]",
+    )
+    from plugins.auth.keys import new_key
+
+    key, digest = new_key()
+    with gateway_thread(text.replace("KEYHASH", f'"{digest}"')) as gw:
+        payload = {"model": "chat", "messages": prompt("json"), "response_format": {"type": "json_object"}}
+        headers = {"authorization": f"Bearer {key}"}
+        response = httpx.post(f"{gw.base_url}/chat/completions", json=payload, headers=headers, timeout=30)
+        assert response.headers["x-sluice-cascade"] == "escalated"
+        escalated = response.json()["usage"]["total_tokens"]
+
+        def metered() -> float | None:
+            lines = httpx.get(f"{gw.url}/metrics").text.splitlines()
+            found = [
+                float(line.rsplit(" ", 1)[1])
+                for line in lines
+                if line.startswith("sluice_tokens_total{") and 'tenant="t"' in line
+                and ('direction="input"' in line or 'direction="output"' in line)
+            ]  # fmt: skip
+            return sum(found) or None
+
+        counted = wait_until(metered, timeout=10, what="the tokens metric")
+        assert counted > escalated  # the small model's tokens too

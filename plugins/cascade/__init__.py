@@ -37,6 +37,7 @@ import orjson
 from gateway import errors
 from gateway.plugin import Configured, Empty, Problem, Reply, Schema
 from gateway.server.relay import find_usage
+from gateway.state.store import StoreUnavailable
 from plugins.cascade.checks import verdict, without_logprobs
 from plugins.cascade.config import CascadeModel, CascadeSpec
 
@@ -133,11 +134,12 @@ class Cascade:
         finally:
             ex.body, ex.json = body, data
         whole = opened.first
-        self._spent(ex, whole)
         try:
             document = orjson.loads(whole)
         except orjson.JSONDecodeError:
+            self._spent(ex, find_usage(whole[-2048:]))
             return None, "invalid"
+        self._spent(ex, document.get("usage") if isinstance(document, dict) else None)
         reason = verdict(document, ex.json, spec)
         if asked and reason is None:
             whole = without_logprobs(document)
@@ -152,7 +154,7 @@ class Cascade:
         try:
             async with asyncio.timeout(deadline - time.perf_counter()):
                 opened = await self.upstreams.open(ex)
-            self._spent(ex, opened.first)
+            self._spent(ex, find_usage(opened.first[-2048:]))
             return self._reply(ex, "escalated", reason, opened.first)
         except TimeoutError:
             failure = errors.UpstreamTimeoutError(
@@ -174,8 +176,8 @@ class Cascade:
         try:
             job = await starter.provider.send(ex, starter)
             ident = orjson.loads(await job.read())["id"]
-        except errors.GatewayError as exc:  # the job store down, or the tenant at its cap of jobs
-            log.info("request %s: no background job for the larger model (%s)", ex.request_id, exc.message)
+        except (errors.GatewayError, StoreUnavailable) as exc:  # the job store down, the tenant at its cap of jobs
+            log.info("request %s: no background job for the larger model (%s)", ex.request_id, exc)
             return self._reply(ex, "kept", reason, small)
         finally:
             ex.served = served
@@ -192,10 +194,9 @@ class Cascade:
         return Reply(200, headers, body, source=NAME, usage=ex.state.pop(NAME, None))
 
     @staticmethod
-    def _spent(ex: Exchange, body: bytes) -> None:
+    def _spent(ex: Exchange, usage: Any) -> None:
         """Add an answer's usage to the request's: both models' tokens count (the rate limiter, the metrics)."""
-        usage = find_usage(body[-2048:])
-        if usage is None:
+        if not isinstance(usage, dict):
             return
         total = ex.state.get(NAME)
         if total is None:

@@ -31,11 +31,17 @@ class Receiver:
     def __init__(self) -> None:
         self.got: list[tuple[dict[str, str], bytes, int]] = []
         self.failing = False
+        self.hanging = threading.Event()  # set: requests wait for `released` before answering
+        self.released = threading.Event()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
+                if receiver.hanging.is_set():
+                    receiver.got.append(({k.lower(): v for k, v in self.headers.items()}, body, 0))
+                    receiver.released.wait(30)
+                    return
                 status = 500 if receiver.failing else 204
                 receiver.got.append(({k.lower(): v for k, v in self.headers.items()}, body, status))
                 self.send_response(status)
@@ -54,6 +60,7 @@ class Receiver:
         return [entry for entry in self.got if entry[2] < 300]
 
     def close(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -131,3 +138,23 @@ def test_a_pending_delivery_survives_its_gateway(receiver: Receiver, redis_serve
     assert verified(headers, body)
     assert orjson.loads(body)["data"]["id"] == ident
     assert headers["webhook-id"] == receiver.got[0][0]["webhook-id"]
+
+
+def test_a_delivery_whose_gateway_was_killed_mid_post_is_made_by_another(
+    receiver: Receiver, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    receiver.hanging.set()  # the first attempt gets no answer: the instance is killed while it waits
+    text = config(receiver.url, f'redis: {{url: "{redis_server.url}"}}', retry_s=0.2)
+    with gateway_process(text, tmp_path) as first:
+        ident = start_job(first)
+        wait_until(lambda: receiver.got, timeout=10, what="the first attempt")
+        assert first.proc is not None
+        first.proc.kill()  # no graceful anything: its claim on the delivery is all that is left of it
+        first.proc.wait(10)
+    receiver.hanging.clear()
+    with gateway_process(text, tmp_path):
+        # The claim runs out timeout_s + 5 s after it was made; then this instance takes the delivery.
+        wait_until(receiver.delivered, timeout=30, what="the delivery by the second instance")
+    headers, body, _ = receiver.delivered()[0]
+    assert verified(headers, body)
+    assert orjson.loads(body)["data"]["id"] == ident

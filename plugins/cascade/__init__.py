@@ -88,8 +88,10 @@ class Cascade:
     async def startup(self, runtime: Runtime) -> None:
         self.upstreams = runtime.upstreams
         self.chains = {name: runtime.upstreams.chains[spec.small] for name, spec in self.specs.items()}
-        starters = runtime.responses.starters
-        self.starters = {name: starters[("chat/completions", name)] for name in self.specs}
+        later = [name for name, spec in self.specs.items() if spec.mode == "async"]
+        if later:  # the background jobs' starters of the larger models (gateway/responses/api.py)
+            starters = runtime.responses.starters
+            self.starters = {name: starters[("chat/completions", name)] for name in later}
         self.counter = runtime.meter.counter(
             "sluice_cascade_total",
             "Requests answered small model first, by outcome (small: its answer passed; escalated: the larger "

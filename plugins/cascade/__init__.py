@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gateway.context import Exchange, Target
     from gateway.runtime import Runtime
     from gateway.settings import Settings
-    from gateway.upstream.attempts import Upstreams
+    from gateway.upstream.attempts import Opened, Upstreams
 
 __all__ = ["Cascade"]
 
@@ -127,8 +127,7 @@ class Cascade:
             ex.json = {**data, "logprobs": True}
             ex.body = orjson.dumps(ex.json)
         try:
-            async with asyncio.timeout(deadline - time.perf_counter()):
-                opened = await self.upstreams.open(ex)
+            opened = await self._within(ex, deadline)
         except TimeoutError:
             return None, "timeout"
         except errors.GatewayError as exc:
@@ -147,6 +146,32 @@ class Cascade:
             whole = without_logprobs(document)
         return whole, reason
 
+    async def _within(self, ex: Exchange, deadline: float) -> Opened:
+        """`upstreams.open(ex)`, cancelled at `deadline` (perf_counter) with a TimeoutError.
+
+        A bare timer on the loop rather than `asyncio.timeout`, which costs twice as much on the path every
+        small answer takes; the request's own cancellation (the client left) still goes through as such.
+        """
+        assert self.upstreams is not None
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        expired: list[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            task.cancel()
+
+        timer = loop.call_at(loop.time() + deadline - time.perf_counter(), expire)
+        try:
+            return await self.upstreams.open(ex)
+        except asyncio.CancelledError:
+            if expired and task.uncancel() == 0:
+                raise TimeoutError from None
+            raise
+        finally:
+            timer.cancel()
+
     async def _escalate(
         self, ex: Exchange, spec: CascadeSpec, reason: str, small: bytes | None, deadline: float
     ) -> Reply:
@@ -154,8 +179,7 @@ class Cascade:
         assert self.upstreams is not None
         failure: errors.GatewayError
         try:
-            async with asyncio.timeout(deadline - time.perf_counter()):
-                opened = await self.upstreams.open(ex)
+            opened = await self._within(ex, deadline)
             self._spent(ex, find_usage(opened.first[-2048:]))
             return self._reply(ex, "escalated", reason, opened.first)
         except TimeoutError:

@@ -296,6 +296,7 @@ class Pipeline:
                 await send_pieces(responder.send, head, answer.stream, outcome, taps)
             else:
                 await send_whole(responder, head, answer.body, outcome, taps)
+            outcome.usage = answer.usage
             return
         n = ex.json.get("n")
         choices = n if type(n) is int and n > 1 else 1

@@ -61,6 +61,7 @@ BUILTIN = {
     "slo": "plugins.slo:Slo",
     "semantic_cache": "plugins.semantic_cache:SemanticCache",
     "admission": "plugins.admission:Admission",
+    "cascade": "plugins.cascade:Cascade",
 }
 # Commands that come with a built-in plugin (`sluice keys` manages the auth plugin's key store): a module with
 # add_arguments(parser) and main(args) -> exit code, imported only when its command runs.
@@ -119,6 +120,9 @@ class Reply:
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
     source: str = ""  # the plugin that answered
+    # The tokens upstreams spent on this answer, when a plugin called them for it (the cascade): the request's
+    # usage, as an upstream answer's would be. None: nothing was generated for it (a cache hit).
+    usage: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

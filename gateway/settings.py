@@ -185,6 +185,16 @@ class SimulatedBackend(Strict):
     ttft_ms: float = Field(150.0, ge=0)
     tpot_ms: float = Field(15.0, ge=0)
     tokens: int = Field(16, ge=1)
+    # A scripted share of poor whole chat answers, by kind (gateway/simulation/faults.py): for testing and
+    # measuring the checks of the cascade plugin. Set (even to zeros), good answers take the shape asked for.
+    failures: dict[Literal["empty", "length", "json", "tool_args", "logprob"], float] | None = None
+
+    @field_validator("failures")
+    @classmethod
+    def _shares(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and (any(share < 0 for share in value.values()) or sum(value.values()) > 1.0):
+            raise ValueError("failure shares must be at least 0 and add up to at most 1")
+        return value
 
 
 Backend = Annotated[
@@ -308,6 +318,17 @@ class ResponsesSettings(Strict):
     websocket: WebSocketSettings = WebSocketSettings()
 
 
+class WebhookSettings(Strict):
+    """Signed webhooks for background jobs that ended (gateway/responses/webhooks.py)."""
+
+    url: str = Field(pattern=r"^https?://")
+    secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]{16,}$")  # Standard Webhooks: base64 after the prefix
+    max_attempts: int = Field(12, ge=1)
+    first_retry_s: float = Field(1.0, gt=0)
+    max_retry_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+
+
 class BackgroundSettings(Strict):
     max_inflight_per_tenant: int = Field(16, ge=1)
     ttl_s: float = Field(86400.0, gt=0)  # how long a finished background response can be polled and resumed
@@ -319,6 +340,7 @@ class BackgroundSettings(Strict):
     buffer_events: int = Field(4096, ge=16)
     buffer_bytes: int = Field(4 * 1024 * 1024, ge=65536)
     store_wait_s: float = Field(30.0, ge=0)
+    webhook: WebhookSettings | None = None  # a signed event posted when a job ends
 
 
 class ConsoleSettings(Strict):

@@ -46,6 +46,7 @@ from gateway.responses.job_recorder import (
     store_error,
 )
 from gateway.responses.job_store import TERMINAL, Job, Jobs, MemoryJobs, RedisJobs
+from gateway.responses.webhooks import Webhooks
 from gateway.state.store import StoreUnavailable
 from gateway.upstream.connection import PoolError
 
@@ -193,8 +194,20 @@ class Background:
         self.running: dict[str, Running] = {}
         self.renewed_at: float | None = None  # time.monotonic() when the last renewal that succeeded was sent
         self._lease: asyncio.Task[None] | None = None
+        # Signed events for the jobs that end (webhooks.py): added by whoever ends a job, sent by any instance.
+        self.webhooks = Webhooks(spec.webhook, store) if spec.webhook is not None else None
+        self._notices: set[asyncio.Task[None]] = set()
+
+    def _ended(self, job: Job, status: str) -> None:
+        """A job ended here: its webhook is stored in a task of its own (it retries while the store is away)."""
+        if self.webhooks is not None:
+            notice = asyncio.get_running_loop().create_task(self.webhooks.ended(job, status))
+            self._notices.add(notice)
+            notice.add_done_callback(self._notices.discard)
 
     async def start(self) -> None:
+        if self.webhooks is not None:
+            await self.webhooks.start()
         if self.shared:
             with contextlib.suppress(StoreUnavailable):
                 await self.jobs.prepare()
@@ -348,7 +361,8 @@ class Background:
         recorder.stop()
         if outcome is not None:
             entry.finishing = True
-            await recorder.finish(outcome, wait_s, 0.0 if wait_s is not None else None)
+            if await recorder.finish(outcome, wait_s, 0.0 if wait_s is not None else None):
+                self._ended(job, outcome.status)
         await _quietly(self.jobs.release(job))
 
     # Reading
@@ -366,6 +380,7 @@ class Background:
         failed = failed_document(job, "failed", LOST_ERROR)
         if await self.jobs.finish(job, "failed", failed, _terminal(job)):
             log.warning("background job %s: owner %s lost, marked failed", job.ident, job.owner)
+            self._ended(job, "failed")
             await _quietly(self.jobs.release(job))
         return await self.jobs.get(job.ident) or job
 
@@ -374,6 +389,7 @@ class Background:
             return job
         cancelled = failed_document(job, "cancelled", None)
         if await self.jobs.finish(job, "cancelled", cancelled, _terminal(job)):
+            self._ended(job, "cancelled")
             await _quietly(self.jobs.release(job))
         entry = self.running.get(job.ident)
         if entry is not None:
@@ -394,6 +410,10 @@ class Background:
                 with contextlib.suppress(BaseException):
                     await entry.task
             log.info("background job %s: failed at shutdown", entry.job.ident)
+        if self._notices:  # webhooks of the jobs just ended: into the store before this process goes
+            await asyncio.wait(list(self._notices), timeout=2.0)
+        if self.webhooks is not None:
+            await self.webhooks.aclose()
 
 
 def _terminal(job: Job) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from gateway.simulation import faults
 from gateway.wire.completion import DONE_EVENT as DONE
 from gateway.wire.completion import sse
 
@@ -57,6 +58,8 @@ class Profile:
     tpot_ms: float = 15.0  # between streamed events
     tokens: int = 16  # answer length unless max_tokens cuts it
     embedding_dim: int = 8
+    # A scripted share of poor whole chat answers, as (kind, share) pairs (gateway/simulation/faults.py).
+    failures: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -154,8 +157,11 @@ def _chat(body: dict[str, Any], model: str, profile: Profile, cached: int | None
     usage = _usage(prompt_tokens, count, cached)
     text = _text(picks)
     if not stream:
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        if profile.failures:  # a scripted backend: answers shaped as asked, some spoiled (simulation/faults.py)
+            fault = faults.pick(profile.failures, b"fault\0" + _canonical(messages, "messages"))
+            faults.shape(body, choice, text.split(), fault)
         whole = _whole({**head, "object": "chat.completion", "choices": [choice], "usage": usage}, profile, count)
         whole.text = text
         return whole

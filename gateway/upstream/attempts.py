@@ -124,7 +124,8 @@ class Upstreams:
         self.http: dict[str, HttpProvider] = {}
         for name, backend in settings.backends.items():
             if backend.type == "simulated":
-                profile = Profile(ttft_ms=backend.ttft_ms, tpot_ms=backend.tpot_ms, tokens=backend.tokens)
+                failures = tuple((backend.failures or {}).items())  # a scripted failure mix, if any
+                profile = Profile(backend.ttft_ms, backend.tpot_ms, backend.tokens, failures=failures)
                 self.providers[name] = SimulatedProvider(profile, name)
             else:
                 self.providers[name] = self.http[name] = build_http(name, backend, settings.pool)

@@ -139,12 +139,12 @@ def estimate(ex: Exchange, default_max_tokens: int) -> tuple[int, int]:
 
 def actual_tokens(outcome: Outcome, reservation: Reservation) -> int | None:
     """What the request really cost in tokens, or None to keep the reservation as it is."""
-    if outcome.source not in ("upstream", "error"):
-        return 0  # a plugin answered (a cache hit): it used no upstream capacity, so only the request counts
     usage = outcome.usage
     total = usage.get("total_tokens") if usage is not None else None
     if type(total) is int and total >= 0:
-        return total
+        return total  # what upstreams spent, whoever called them (a plugin's reply may say too: the cascade)
+    if outcome.source not in ("upstream", "error"):
+        return 0  # a plugin answered (a cache hit): it used no upstream capacity, so only the request counts
     if outcome.complete and outcome.status < 400:
         return None  # served, but the upstream said nothing about usage: the reservation is the best bound
     return reservation.reserved - reservation.completion

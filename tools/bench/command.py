@@ -57,7 +57,9 @@ REAL = "real"
 WEBSOCKET = "websocket"
 # Priority classes under 2x overload of simulated replicas (tools/bench/overload.py); not part of `all`.
 OVERLOAD = "overload"
-EXTRA = (ROUTING, INSTRUCTIONS, REAL, WEBSOCKET, OVERLOAD)
+# The small model first, on simulated models with a scripted failure mix (tools/bench/cascade.py); not in `all`.
+CASCADE = "cascade"
+EXTRA = (ROUTING, INSTRUCTIONS, REAL, WEBSOCKET, OVERLOAD, CASCADE)
 NEEDS_REDIS = frozenset({"tenants", "cache", "full"})
 
 DEFAULT = BenchOptions()
@@ -217,6 +219,13 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
         status = bench_overload.main(seconds)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != OVERLOAD))
+        if not options.scenarios or status:
+            return status
+    if CASCADE in options.scenarios:
+        from tools.bench import cascade as bench_cascade
+
+        status = bench_cascade.main(50 if options.preset == "smoke" else 200 if options.preset == "quick" else 400)
+        options = replace(options, scenarios=tuple(name for name in options.scenarios if name != CASCADE))
         if not options.scenarios or status:
             return status
     if REAL in options.scenarios:

@@ -8,7 +8,8 @@ misses, `concurrency` in flight, then off again and the count dumped. The helper
 Redis, the OTLP sink) and this load client run natively, outside the count.
 
 Configurations: bare (no plugins), each stage added alone (auth, rate_limit, cache, slo, tracing at 0.1,
-admission with a capacity never reached), every stage but admission on (`full`); and `messages`: the bare gateway
+admission with a capacity never reached, cascade with the small model's answer passing its checks), every stage
+but admission and cascade on (`full`); and `messages`: the bare gateway
 sent the same requests on Anthropic's Messages API, so that the translation's cost is its own line. Each gateway
 is started from this source tree's own directory (`python -m` puts the working directory first on `sys.path`, so
 a gateway started elsewhere would run whatever tree is there), and the harness checks where it runs before it
@@ -54,8 +55,8 @@ from tools.bench.load import CLIENT_LIMITS, JSON_HEADERS, Workload, send_all, un
 T = TypeVar("T")
 NAME = "instructions"
 TREE = Path(__file__).resolve().parents[2]  # the source tree whose gateway is counted
-STAGES = ("auth", "rate_limit", "cache", "slo", "tracing", "admission")
-PLUGINS = ("auth", "rate_limit", "cache", "slo", "admission")  # in the order the pipeline runs them
+STAGES = ("auth", "rate_limit", "cache", "slo", "tracing", "admission", "cascade")
+PLUGINS = ("auth", "rate_limit", "cache", "slo", "admission", "cascade")  # in the order the pipeline runs them
 BARE: tuple[str, ...] = ()
 FULL = STAGES[:5]  # the stages every request of a typical deployment passes (admission has its own line)
 ADMISSION = ("admission",)
@@ -129,6 +130,12 @@ def gateway_config(stages: Sequence[str], ports: dict[str, int], key_hash: str) 
         config["redis"] = {"url": f"redis://127.0.0.1:{ports['redis']}/0"}
     if "cache" in stages:
         config["cache"] = {"mode": "always"}  # every request below is a prompt never sent before: a miss
+    if "cascade" in stages:
+        # The small model first, its answer passing: the same upstream under another name, whose answers the
+        # checks pass (`length` left out: the workload's max_tokens cuts every answer).
+        cascade = {"small": "fast-small", "checks": ["empty", "json", "tool_args"]}
+        models["fast"] = {**models["fast"], "cascade": cascade}  # type: ignore[dict-item]
+        models["fast-small"] = {"backend": "fast", "upstream_model": "fast"}
     if "admission" in stages:
         # A capacity far above the load: every request classified and through the gate, none ever waits.
         config["admission"] = {"backends": {"fast": {"max_in_flight": 100_000}}}

@@ -319,7 +319,7 @@ class ResponsesSettings(Strict):
 
 
 class WebhookSettings(Strict):
-    """Signed webhooks for background jobs that ended (gateway/responses/webhooks.py)."""
+    """Signed webhooks for background jobs that ended (gateway/jobs/webhooks.py)."""
 
     url: str = Field(pattern=r"^https?://")
     secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]{16,}$")  # Standard Webhooks: base64 after the prefix

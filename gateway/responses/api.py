@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from gateway import errors
 from gateway.context import Exchange, Target
+from gateway.jobs.background import Background
 from gateway.responses.index import Indexing, Owner, ResponseIndex, index_key, item_key
-from gateway.responses.jobs import Background
 from gateway.responses.stored import RESPONSE_ID, RETRY_AFTER, Stored, unavailable
 from gateway.state.store import StoreUnavailable
 from gateway.upstream.health import Health

@@ -21,14 +21,14 @@ import orjson
 
 from gateway import errors
 from gateway.context import Exchange
-from gateway.responses.jobs import Canned
+from gateway.jobs.background import Canned
 from gateway.state.store import StoreUnavailable
 from gateway.upstream.attempts import Opened
 
 if TYPE_CHECKING:
+    from gateway.jobs.background import Background
+    from gateway.jobs.store import Job
     from gateway.responses.index import ResponseIndex
-    from gateway.responses.job_store import Job
-    from gateway.responses.jobs import Background
     from gateway.upstream.attempts import Upstreams
     from gateway.upstream.providers.base import UpstreamResponse
 

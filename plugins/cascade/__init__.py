@@ -9,7 +9,7 @@ time, is escalated:
   within `max_total_ms` of the request's arrival. Past that bound the small answer is served as it is
   (`x-sluice-cascade: kept`), or a 504 when there is none.
 - `mode: async`: the small answer goes back now (`x-sluice-cascade: async`) and a background job (the
-  gateway's own, gateway/responses/jobs.py) runs the request on the larger model; its id is in
+  gateway's own, gateway/jobs/background.py) runs the request on the larger model; its id is in
   `x-sluice-cascade-job`, its result at `GET /v1/sluice/background/{id}` for the same tenant.
 
 `x-sluice-model` names the model whose answer was served; `x-sluice-cascade-reason` the check that failed.

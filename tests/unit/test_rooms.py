@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # Rank of each room: higher may import lower. The spine's contract (settings, context, plugin, errors) sits
 # below every room that uses it; `state` and `wire` (the wire forms) import nothing above them.
 RANKS = {
-    "top": 9,  # app, cli, runtime, config, pipeline
-    "responses": 8,
-    "messages": 8,  # Anthropic's Messages API: a front door beside the Responses API, using the rooms below
+    "top": 10,  # app, cli, runtime, config, pipeline
+    "responses": 9,
+    "messages": 9,  # Anthropic's Messages API: a front door beside the Responses API, using the rooms below
+    "jobs": 8,  # background jobs: the Responses API starts and reads them, they know nothing of it
     "server": 7,
     "upstream": 6,
     "simulation": 5,

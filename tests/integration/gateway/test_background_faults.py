@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import openai
 import pytest
 
-from gateway.responses.job_store import Job, RedisJobs, terminal_event
+from gateway.jobs.store import Job, RedisJobs, terminal_event
 from gateway.state.store import Store
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process

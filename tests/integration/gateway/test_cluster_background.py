@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import openai
 import pytest
 
-from gateway.responses.job_store import APPEND, CREATE, FINISH, RESERVE, Job, RedisJobs, inflight_key, job_key
+from gateway.jobs.store import APPEND, CREATE, FINISH, RESERVE, Job, RedisJobs, inflight_key, job_key
 from gateway.state.cluster import slot
 from gateway.state.store import Store
 from plugins.auth.keys import new_key

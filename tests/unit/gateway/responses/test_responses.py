@@ -9,8 +9,8 @@ import orjson
 import pytest
 from openai.types.responses import Response
 
-from gateway.responses.job_recorder import queued_response
-from gateway.responses.job_store import Job, MemoryJobs, terminal_event
+from gateway.jobs.recorder import queued_response
+from gateway.jobs.store import Job, MemoryJobs, terminal_event
 from gateway.server.relay import find_usage
 from gateway.simulation.answers import SSE, Profile, simulate
 from gateway.wire import completion

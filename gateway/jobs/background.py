@@ -2,7 +2,7 @@
 
 `POST /v1/responses` with `background: true` (or `POST /v1/chat/completions` with `x-sluice-background:
 true`) is admitted by the pipeline as usual (auth, rate limits), then its one target is a `Starter`: it
-records the job (`gateway.responses.job_store`), starts a task owned by this process that streams the request from
+records the job (`gateway.jobs.store`), starts a task owned by this process that streams the request from
 the model's real targets and stores every event with its sequence number, and answers at once: the queued
 response object (or, for `stream: true`, the live stream of its events), or `202 Accepted` with a
 `Location` for chat. Polls, resumes and cancels reach the job through the pipeline's dispatch (stored.py), on
@@ -33,7 +33,7 @@ import orjson
 
 from gateway import errors
 from gateway.context import Exchange
-from gateway.responses.job_recorder import (
+from gateway.jobs.recorder import (
     RETRY_S,
     Bounds,
     Ended,
@@ -45,8 +45,8 @@ from gateway.responses.job_recorder import (
     queued_response,
     store_error,
 )
-from gateway.responses.job_store import TERMINAL, Job, Jobs, MemoryJobs, RedisJobs
-from gateway.responses.webhooks import Webhooks
+from gateway.jobs.store import TERMINAL, Job, Jobs, MemoryJobs, RedisJobs
+from gateway.jobs.webhooks import Webhooks
 from gateway.state.store import StoreUnavailable
 from gateway.upstream.connection import PoolError
 

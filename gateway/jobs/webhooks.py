@@ -38,7 +38,7 @@ import orjson
 from gateway.state.store import Script, StoreUnavailable
 
 if TYPE_CHECKING:
-    from gateway.responses.job_store import Job
+    from gateway.jobs.store import Job
     from gateway.settings import WebhookSettings
     from gateway.state.store import Store
 

@@ -28,7 +28,7 @@ from gateway.state.store import StoreUnavailable
 from gateway.wire import completion
 
 if TYPE_CHECKING:
-    from gateway.responses.job_store import Job, Jobs
+    from gateway.jobs.store import Job, Jobs
 
 FLUSH_EVENTS = 32  # events stored in one round trip when the store keeps up...
 FLUSH_S = 0.05  # ...and no later than this after the first of them arrived

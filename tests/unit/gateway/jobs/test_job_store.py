@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pytest
 
-from gateway.responses.job_store import CREATE, RESERVE, Job, RedisJobs, inflight_key, job_key
+from gateway.jobs.store import CREATE, RESERVE, Job, RedisJobs, inflight_key, job_key
 from gateway.state.store import Script, Store, StoreUnavailable
 
 

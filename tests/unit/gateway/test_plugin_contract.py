@@ -23,12 +23,13 @@ from gateway.plugin import (
 from plugins.admission import Admission
 from plugins.auth import Auth
 from plugins.cache import Cache
+from plugins.cascade import Cascade
 from plugins.rate_limit import RateLimit
 from plugins.semantic_cache import SemanticCache
 from plugins.slo import Slo
 
-STARTS_UP: tuple[type[StartsUp], ...] = (Auth, RateLimit, Cache, Slo, SemanticCache, Admission)
-HANDLES_REQUEST: tuple[type[HandlesRequest], ...] = (Auth, RateLimit, Cache, Slo, SemanticCache, Admission)
+STARTS_UP: tuple[type[StartsUp], ...] = (Auth, RateLimit, Cache, Slo, SemanticCache, Admission, Cascade)
+HANDLES_REQUEST: tuple[type[HandlesRequest], ...] = (Auth, RateLimit, Cache, Slo, SemanticCache, Admission, Cascade)
 HANDLES_FAILURE: tuple[type[HandlesFailure], ...] = (Cache,)
 HANDLES_RESPONSE: tuple[type[HandlesResponse], ...] = (RateLimit, Cache, SemanticCache, Admission)
 HANDLES_COMPLETE: tuple[type[HandlesComplete], ...] = (RateLimit, Cache, Slo, SemanticCache, Admission)

@@ -1,0 +1,117 @@
+"""The compiled hot path: the request path's modules built with mypyc where a C compiler and mypyc are available.
+
+The Python sources stay the source of truth and the fallback. `pip install -e .` (or a wheel build) compiles the
+modules below into C extensions when it can, and installs pure Python when it cannot: no C compiler, mypyc not
+importable, or SLUICE_PURE=1 in the environment. Next to them it writes gateway/_compiled.json, the SHA-256 of
+each compiled source: `gateway/__init__.py` reads it at import and, where a source no longer matches what was
+compiled (edited since the install), or with SLUICE_PURE=1 at run time, imports every one of these modules from
+its source instead, warning loudly in the first case (docs/architecture.md, "The compiled hot path").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+MANIFEST = Path("gateway") / "_compiled.json"
+GROUP = "gateway._compiled"  # the shared library of the group: gateway/_compiled__mypyc.*.so
+# What each module gave and what it needed is in docs/architecture.md. Not compiled: gateway/server/protocol.py
+# (its Cycle subclasses uvicorn's interpreted cycle, whose attributes mypyc's IR builder cannot see), the cache's
+# Flight (an async generator, plugins/cache/flight.py) and the plugins' pydantic models (their config.py modules).
+MODULES = [
+    "gateway/state/resp.py",
+    "gateway/wire/marks.py",
+    "gateway/wire/completion.py",
+    "gateway/upstream/pool.py",
+    "gateway/server/relay.py",
+    "gateway/telemetry/tracing.py",
+    "gateway/telemetry/spans.py",
+    "plugins/rate_limit/limiter.py",
+    "plugins/rate_limit/buckets.py",
+    "plugins/rate_limit/concurrency.py",
+    "plugins/rate_limit/lease.py",
+    "plugins/rate_limit/sync.py",
+    "plugins/cache/exact.py",
+    "plugins/cache/l1.py",
+    "plugins/cache/layout.py",
+]
+MODULES += ["gateway/pipeline.py", "gateway/server/direct.py"]  # the spine: changing shape, kept on one line
+
+
+def compiler() -> str | None:
+    """Why the modules cannot be compiled here, or None when they can."""
+    if os.environ.get("SLUICE_PURE") == "1":
+        return "SLUICE_PURE=1"
+    try:
+        import mypyc.build  # noqa: F401
+    except ImportError:
+        return "mypyc is not importable"
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    if not cc or shutil.which(cc[0]) is None:
+        return f"no C compiler ({' '.join(cc) or 'cc'})"
+    return None
+
+
+def artifacts(base: Path) -> list[Path]:
+    """The built files of a previous compiled install under `base`: extensions, the group's library, the manifest."""
+    found = [base / MANIFEST, *base.glob("gateway/_compiled__mypyc*")]
+    for source in MODULES:
+        path = base / source
+        found += path.parent.glob(path.stem + ".cpython-*") if path.exists() else []
+        found += path.parent.glob(path.stem + ".*.pyd")
+    return [path for path in found if path.exists()]
+
+
+# mypy's settings for the build: the isolated build environment has mypy but not the gateway's dependencies, so
+# their types are Any to the compiler (as they are, in effect, to compiled code: calls into them go through Python).
+BUILD_MYPY = """[mypy]
+python_version = 3.11
+ignore_missing_imports = True
+follow_imports = silent
+"""
+
+
+class BuildExt(build_ext):
+    """Compiles the modules (mypyc runs here rather than when setup.py is read: pip reads it several times) and
+    writes the manifest of the sources they were compiled from."""
+
+    def finalize_options(self) -> None:
+        why = compiler()
+        if why is not None:
+            # A pure install over a compiled one: the old extensions would still be imported first.
+            for path in artifacts(ROOT):
+                path.unlink()
+            print(f"sluice: installing pure Python ({why})")
+            self.distribution.ext_modules = []
+        else:
+            from mypyc.build import mypycify
+
+            with tempfile.TemporaryDirectory() as temp:
+                config = Path(temp) / "mypyc.ini"
+                config.write_text(BUILD_MYPY)
+                made = mypycify(["--config-file", str(config), *MODULES], opt_level="3", group_name=GROUP)
+            self.distribution.ext_modules = list(made)
+        super().finalize_options()  # prepares the extensions it finds on the distribution
+
+    def run(self) -> None:
+        super().run()
+        if not self.extensions:
+            return
+        base = ROOT if self.inplace else Path(self.build_lib)
+        hashes = {source: hashlib.sha256((ROOT / source).read_bytes()).hexdigest() for source in MODULES}
+        (base / MANIFEST).write_text(json.dumps({"group": GROUP, "sources": hashes}, indent=1) + "\n")
+
+
+# A stand-in until build_ext runs: it makes the distribution one with extensions (a platform wheel) without running
+# mypyc each time pip reads this file.
+setup(ext_modules=[Extension(GROUP + "__mypyc", sources=[])], cmdclass={"build_ext": BuildExt})

@@ -10,11 +10,13 @@ its source instead, warning loudly in the first case (docs/architecture.md, "The
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shlex
 import shutil
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -34,6 +36,9 @@ MODULES = [
     "gateway/wire/completion.py",
     "gateway/upstream/pool.py",
     "gateway/server/relay.py",
+    "gateway/server/request.py",
+    "gateway/telemetry/metrics.py",
+    "gateway/telemetry/recorder.py",
     "gateway/telemetry/tracing.py",
     "gateway/telemetry/spans.py",
     "plugins/rate_limit/limiter.py",
@@ -63,9 +68,13 @@ def compiler() -> str | None:
 
 
 def artifacts(base: Path) -> list[Path]:
-    """The built files of a previous compiled install under `base`: extensions, the group's library, the manifest."""
+    """The built files of a previous compiled install under `base`: extensions (of the modules compiled then, or
+    listed now), the group's library, the manifest. Left behind, an extension would be imported before its source."""
+    sources = set(MODULES)
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+        sources |= set(json.loads((base / MANIFEST).read_text())["sources"])
     found = [base / MANIFEST, *base.glob("gateway/_compiled__mypyc*")]
-    for source in MODULES:
+    for source in sorted(sources):
         path = base / source
         found += path.parent.glob(path.stem + ".cpython-*") if path.exists() else []
         found += path.parent.glob(path.stem + ".*.pyd")
@@ -74,6 +83,8 @@ def artifacts(base: Path) -> list[Path]:
 
 # mypy's settings for the build: the isolated build environment has mypy but not the gateway's dependencies, so
 # their types are Any to the compiler (as they are, in effect, to compiled code: calls into them go through Python).
+METADATA = {"egg_info", "dist_info"}  # the commands pip runs setup.py with for requirements and metadata
+BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 BUILD_MYPY = """[mypy]
 python_version = 3.11
 ignore_missing_imports = True
@@ -86,11 +97,14 @@ class BuildExt(build_ext):
     writes the manifest of the sources they were compiled from."""
 
     def finalize_options(self) -> None:
+        commands = set(sys.argv[1:])
+        if commands & METADATA and not commands & BUILDS:  # pip asking for requirements or metadata: no build
+            super().finalize_options()
+            return
+        for path in artifacts(ROOT):  # this build's own, or none: never a library of an earlier one
+            path.unlink()
         why = compiler()
         if why is not None:
-            # A pure install over a compiled one: the old extensions would still be imported first.
-            for path in artifacts(ROOT):
-                path.unlink()
             print(f"sluice: installing pure Python ({why})")
             self.distribution.ext_modules = []
         else:

@@ -169,7 +169,12 @@ class Pipeline:
         if self.access is not None:
             refusal_line(self.access, endpoint, error, rid, started, model)
 
-    refuse = _reject  # for a front door that parses its own requests (gateway/messages)
+    async def refuse(
+        self, send: Send, error: errors.GatewayError, rid: str, endpoint: str, started: float, model: str | None = None
+    ) -> None:
+        """`_reject` for a front door that parses its own requests (gateway/messages). A method rather than an
+        alias: mypyc compiles a class attribute bound to a method into a lookup that fails."""
+        await self._reject(send, error, rid, endpoint, started, model)
 
     async def _serve(self, ex: Exchange, receive: Receive, send: Send, direct: Direct | None) -> None:
         outcome = Outcome.begun()

@@ -24,12 +24,14 @@ from typing import Any, Protocol, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
+from mypy_extensions import mypyc_attr
 
 Arg = str | bytes | int | float
 STALE_S = 2.0  # silent this long while calls time out: presumed dead
 SILENT_S = 0.5  # silent this long while calls time out: stalled or gone, no longer merely slow
 
 
+@mypyc_attr(native_class=False)  # mypyc compiles no subclass of TimeoutError as a native class
 class SlowReply(TimeoutError):
     """A reply missed its deadline on a connection that had answered within the last `SILENT_S`: the server is
     slow for a moment (busy, or on a machine short of CPU), not gone. The call fails; the store stays up."""

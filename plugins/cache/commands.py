@@ -37,7 +37,8 @@ from gateway.server import request
 from gateway.settings import ConfigError, Settings
 from gateway.state.resp import node_urls
 from gateway.state.store import StoreUnavailable
-from plugins.cache import Cache, _deterministic, layout
+from plugins.cache import layout
+from plugins.cache.exact import Cache, _deterministic
 
 if TYPE_CHECKING:
     from gateway.context import Exchange

@@ -89,6 +89,7 @@ class Count:
     stages: tuple[str, ...]
     requests: int
     instructions: int  # executed by the gateway process while counting was on
+    build: str = ""  # "compiled" or "pure": which build of the request path the gateway ran (see `build_of`)
 
     @property
     def per_request(self) -> float:
@@ -225,6 +226,12 @@ def check_tree(pid: int) -> None:
         raise BenchError(f"the gateway under callgrind runs from {cwd}, not from {TREE}")
 
 
+def build_of(pid: int) -> str:
+    """ "compiled" when the gateway process has loaded the compiled request path's library (setup.py), else "pure"."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return "compiled" if "_compiled__mypyc" in maps else "pure"
+
+
 async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Counting, repeats: int = 1) -> list[Count]:
     """Start the gateway for `stages` under callgrind, warm it, count `repeats` windows of requests, stop it."""
     if (why := missing_tools()) is not None:
@@ -246,6 +253,7 @@ async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Coun
     try:
         await wait_ready(child, pool, b"/readyz", time.monotonic() + START_TIMEOUT_S)
         check_tree(child.popen.pid)
+        build = build_of(child.popen.pid)
         messages = name == MESSAGES
         await load(pool, headers, counting.warmup, counting.concurrency, messages)
         for _ in range(repeats):
@@ -255,7 +263,7 @@ async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Coun
             await load(pool, headers, counting.requests, counting.concurrency, messages)
             control(child.popen.pid, "-i", "off")
             control(child.popen.pid, "-d")
-            counts.append(Count(name, tuple(stages), counting.requests, dumped_total(workdir, before)))
+            counts.append(Count(name, tuple(stages), counting.requests, dumped_total(workdir, before), build))
     finally:
         await pool.aclose()
         child.stop()
@@ -291,7 +299,7 @@ def markdown(counts: Sequence[Count], counting: Counting, command: str, seconds:
     lines = [
         "# Sluice benchmark: instructions per request",
         "",
-        f"- Command: `{command}` ({seconds:.0f} s)",
+        f"- Command: `{command}` ({seconds:.0f} s); build: {', '.join(sorted({c.build for c in counts}))}",
         f"- The gateway under `valgrind --tool=callgrind --instr-atstart=no`, {counting.warmup} requests to warm it,"
         f" then counting on for {counting.requests} non-stream cache misses, {counting.concurrency} in flight;"
         " the simulated upstream, Redis, the OTLP sink and the load client run natively",

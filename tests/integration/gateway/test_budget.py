@@ -3,6 +3,10 @@
 Timings on a shared machine swing by ±15 % between identical rounds, so they cannot catch a 5 % regression;
 the instructions the gateway executes per request repeat to within about a percent, and can. Each gateway
 runs under callgrind (tools/bench/instructions.py) with its helpers native.
+
+Both builds of the request path have their own budget (bench/budget.toml): `compiled` (the modules setup.py
+compiles with mypyc, what CI installs) and `pure` (their Python sources, SLUICE_PURE=1). Each count says which
+build the gateway ran (the library it loaded), and the test checks that it is the one it means to count.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import gateway
 from tools.bench import ring as bench_ring
 from tools.bench.fleet import run_loop
 from tools.bench.instructions import (
@@ -35,9 +40,13 @@ COUNTING = Counting(requests=300, warmup=100, concurrency=16)
 UNAVAILABLE = "SLUICE_VALGRIND_UNAVAILABLE"
 
 
-def budget() -> tuple[float, dict[str, int]]:
+BUILDS = ("compiled", "pure")
+
+
+def budget(build: str) -> tuple[float, dict[str, int]]:
     data = tomllib.loads(Path(BUDGET).read_text())
-    return float(data["tolerance"]), {name: int(value) for name, value in data["instructions_per_request"].items()}
+    table = data["instructions_per_request"] if build == "pure" else data["instructions_per_request_compiled"]
+    return float(data["tolerance"]), {name: int(value) for name, value in table.items()}
 
 
 def counted() -> list[Count]:
@@ -56,15 +65,22 @@ def counted() -> list[Count]:
     return [*run_loop(both()), Count("console", (), records, instructions)]
 
 
-def test_instructions_per_request_within_budget() -> None:
+@pytest.mark.parametrize("build", BUILDS)
+def test_instructions_per_request_within_budget(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     why = missing_tools()
     if why is not None:
         if os.environ.get(UNAVAILABLE):
             pytest.skip(f"{why}; valgrind could not be installed here: {os.environ[UNAVAILABLE]}")
         pytest.fail(f"{why}: the instruction budget cannot be checked (set {UNAVAILABLE}=reason to skip)")
-    tolerance, budgets = budget()
-    found = {c.name: c.per_request for c in counted()}
+    if build == "compiled" and not gateway.compiled():
+        pytest.skip(f"this install runs the request path pure ({gateway.BYPASSED or 'nothing was compiled'})")
+    if build == "pure":
+        monkeypatch.setenv("SLUICE_PURE", "1")  # the gateway under callgrind inherits it
+    tolerance, budgets = budget(build)
+    counts = counted()
+    assert {c.build for c in counts if c.name != "console"} == {build}, "the gateway did not run the build counted"
+    found = {c.name: c.per_request for c in counts}
     report = ", ".join(f"{name} {found[name]:,.0f} (budget {budgets[name]:,})" for name in budgets)
     over = [name for name, limit in budgets.items() if found[name] > limit * (1 + tolerance)]
-    assert not over, f"instructions per request over budget by more than {tolerance:.0%}: {report}"
-    print(f"instructions per request: {report}")
+    assert not over, f"{build}: instructions per request over budget by more than {tolerance:.0%}: {report}"
+    print(f"instructions per request, {build}: {report}")

@@ -17,14 +17,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 
+from tools.bench.fleet import wait_http_ready
 from tools.llamacpp import build as llamacpp
 from tools.llamacpp.model import TINY, ensure_model
 from tools.llamacpp.server import LlamaServer
@@ -85,16 +84,7 @@ def main() -> int:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not start")
-                time.sleep(0.05)
+            wait_http_ready(url, 60.0, proc=gateway)
             straight = session(direct.url, args.turns)
             through = session(url, args.turns)
         finally:

@@ -28,6 +28,7 @@ import orjson
 from gateway.messages.chat_reply import StreamTranslator
 from gateway.messages.chat_request import to_chat
 from gateway.simulation.answers import Profile, simulate
+from tools.bench.fleet import wait_http_ready
 
 CONFIG = """
 listen: {host: 127.0.0.1, port: PORT}
@@ -104,16 +105,7 @@ def main() -> int:
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the gateway did not start")
-                time.sleep(0.05)
+            wait_http_ready(url, 60.0, proc=gateway)
             found = asyncio.run(measure(url, args.requests))
         finally:
             gateway.terminate()

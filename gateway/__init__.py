@@ -73,7 +73,8 @@ def use_sources() -> str | None:
         why = f"edited since they were compiled: {', '.join(stale)}"
         warnings.warn(
             f"sluice: compiled modules {why}; running every compiled module from its source. Rebuild with"
-            " `pip install -e .` (or set SLUICE_PURE=1 to run pure Python on purpose)",
+            " `SLUICE_COMPILE=1 python3 -m pip install --no-build-isolation -e .` (or set SLUICE_PURE=1 to run pure"
+            " Python on purpose)",
             RuntimeWarning,
             stacklevel=2,
         )

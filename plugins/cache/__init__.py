@@ -32,6 +32,6 @@
 from __future__ import annotations
 
 from plugins.cache import layout
-from plugins.cache.exact import ENTRY_OVERHEAD, Cache, Entry, _deterministic
+from plugins.cache.exact import ENTRY_OVERHEAD, Cache, Entry
 
-__all__ = ["ENTRY_OVERHEAD", "Cache", "Entry", "_deterministic", "layout"]
+__all__ = ["ENTRY_OVERHEAD", "Cache", "Entry", "layout"]

@@ -142,7 +142,7 @@ class Cascade:
             return None, "invalid"
         self._spent(ex, document.get("usage") if isinstance(document, dict) else None)
         reason = verdict(document, ex.json, spec)
-        if asked and reason is None:
+        if asked:  # served as it is when passed, kept or answered now with a job: never with what it did not ask
             whole = without_logprobs(document)
         return whole, reason
 

@@ -24,19 +24,10 @@ limits are then per process. The limiter never fails a request because its store
 
 from __future__ import annotations
 
-from plugins.rate_limit.limiter import (
-    INFLIGHT,
-    PERIOD_MS,
-    SCRIPT,
-    Lease,
-    Leases,
-    LocalBuckets,
-    RateLimit,
-    actual_tokens,
-    build_plans,
-    estimate,
-    go_duration,
-)
+from plugins.rate_limit.buckets import PERIOD_MS, LocalBuckets, go_duration
+from plugins.rate_limit.lease import Lease
+from plugins.rate_limit.limiter import INFLIGHT, RateLimit, actual_tokens, build_plans, estimate
+from plugins.rate_limit.sync import SCRIPT, Leases
 
 __all__ = [
     "INFLIGHT",

@@ -15,19 +15,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from gateway.plugin import Configured, Empty, Problem, Schema
 from gateway.state.store import StoreUnavailable
 from plugins.rate_limit.buckets import (
-    PERIOD_MS,
     REQUESTS,
     TOKENS,
     Bucket,
     LocalBuckets,
     Plan,
-    go_duration,
     ratelimit_headers,
     rejection,
 )
 from plugins.rate_limit.concurrency import Concurrency
 from plugins.rate_limit.config import Limits, RateLimitSection, RateLimitTenant
-from plugins.rate_limit.lease import Lease
 from plugins.rate_limit.sync import SCRIPT, Leases, Route
 
 if TYPE_CHECKING:
@@ -36,19 +33,6 @@ if TYPE_CHECKING:
     from gateway.runtime import Runtime
     from gateway.settings import Settings
 
-__all__ = [
-    "INFLIGHT",
-    "PERIOD_MS",
-    "SCRIPT",
-    "Lease",
-    "Leases",
-    "LocalBuckets",
-    "RateLimit",
-    "actual_tokens",
-    "build_plans",
-    "estimate",
-    "go_duration",
-]
 
 NAME = "rate_limit"
 INFLIGHT = "rate_limit.inflight"  # ex.state: the tenant whose request this process counts as in flight

@@ -7,17 +7,16 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import uvicorn
 
 from gateway.app import SERVER_OPTIONS, Gateway, create_app
 from gateway.config import parse
 from tests.support.wait import wait_until
+from tools.bench.fleet import wait_http_ready
 
 
 def free_port() -> int:
@@ -70,17 +69,7 @@ READY_TIMEOUT_S = 60.0
 def wait_ready(
     url: str, timeout: float = READY_TIMEOUT_S, path: str = "/readyz", proc: subprocess.Popen[bytes] | None = None
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise TimeoutError(f"gateway at {url} exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.02)
-    raise TimeoutError(f"gateway at {url} not ready within {timeout} s")
+    wait_http_ready(url, timeout, path, proc)
 
 
 @contextmanager

@@ -226,3 +226,22 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(main)
     result: T = uvloop.run(main)
     return result
+
+
+def wait_http_ready(
+    url: str, timeout: float, path: str = "/readyz", proc: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Wait until `url + path` answers 200: a gateway (or anything) started in another process, polled over HTTP."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise TimeoutError(f"{url} exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}{path}", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{url} not ready within {timeout} s")

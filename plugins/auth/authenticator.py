@@ -254,5 +254,5 @@ class Auth:
                 await asyncio.sleep(1.0)
             finally:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
                     await client.aclose()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from gateway import errors
 from gateway.plugin import Outcome, Reply, ResponseHead, Tap, hooks
+from gateway.server.loop import running_loop
 from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
 from gateway.server.reply import BODY_FOLLOWS, JSON, end_early, send_pieces, send_whole
 from gateway.telemetry.access import access_line
@@ -87,7 +88,7 @@ class Pipeline:
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
         outcome = Outcome.begun()
-        task = asyncio.current_task()
+        task = asyncio.current_task(running_loop())  # the loop held: asking costs a system call (server/loop.py)
         assert task is not None
         done = False
 

@@ -24,14 +24,19 @@ from typing import Any
 
 import httptools
 from uvicorn.config import Config
+from uvicorn.logging import TRACE_LOG_LEVEL
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import (
     HttpToolsProtocol,
     RequestResponseCycle,
 )
+from uvicorn.protocols.utils import get_local_addr, get_remote_addr, is_ssl
 from uvicorn.server import ServerState
 
 from gateway import errors
+from gateway.server.address import Address
 from gateway.server.direct import NOTHING, Direct, Handler, body_bytes, failed, head_bytes, unanswered
+from gateway.server.loop import running_loop
 from gateway.server.reply import BODY_FOLLOWS
 from gateway.server.request import ARRIVED, new_request_id, usable_id
 from gateway.settings import LimitSettings
@@ -141,7 +146,8 @@ class GatewayProtocol(HttpToolsProtocol):
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
+        # uvicorn passes no loop and would ask for it, a system call per connection (server/loop.py).
+        super().__init__(config, server_state, app_state, _loop or running_loop())
         limits: LimitSettings = getattr(getattr(self.app, "settings", None), "limits", None) or LimitSettings()
         self.max_head = limits.max_header_bytes
         self.header_timeout = limits.header_timeout_s
@@ -165,8 +171,18 @@ class GatewayProtocol(HttpToolsProtocol):
         plain_server = not self.access_log and not self.root_path and self.limit_concurrency is None
         self.route: Callable[[bytes], Handler | None] | None = route if plain_server else None
 
+    server = Address(get_local_addr)  # looked up when read (server/address.py), as uvicorn's connection_made does
+    client = Address(get_remote_addr)
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # uvicorn's, but for the addresses, looked up when first read (server/address.py).
+        self.connections.add(self)
+        self.transport = transport
+        self.flow = FlowControl(transport)
+        self.scheme = "https" if is_ssl(transport) else "http"
+        if self.logger.level <= TRACE_LOG_LEVEL:
+            client = self.client
+            self.logger.log(TRACE_LOG_LEVEL, "%sHTTP connection made", f"{client[0]}:{client[1]} - " if client else "")
         if len(self.server_state.connections) > connection_cap():
             self.over_cap = True
             if not GatewayProtocol.warned:
@@ -341,7 +357,7 @@ class GatewayProtocol(HttpToolsProtocol):
         self.tasks.add(task)
 
     async def _serve_direct(self, cycle: Direct, handler: Handler) -> None:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self.loop)  # the loop given: not asked for (server/loop.py)
         assert task is not None
         while True:
             # The handler awaited in this frame (no wrapper of its own: tests/integration/gateway/test_frames.py);

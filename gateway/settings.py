@@ -241,8 +241,22 @@ class ModelSettings(Strict):
     keep_alive: str | int | None = None  # Ollama's keep_alive on its native API (e.g. "30m", -1 = never unload)
 
 
+class WebhookSettings(Strict):
+    """Signed webhooks for background jobs that ended (gateway/jobs/webhooks.py)."""
+
+    url: str = Field(pattern=r"^https?://")
+    secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]{16,}$")  # Standard Webhooks: base64 after the prefix
+    max_attempts: int = Field(12, ge=1)
+    first_retry_s: float = Field(1.0, gt=0)
+    max_retry_s: float = Field(600.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+
+
 class TenantSettings(Strict):
-    """A tenant as the core knows it: a name. Its keys and limits are the plugins' parts of `tenants.NAME`."""
+    """A tenant as the core knows it: a name, and where its background jobs' events go. Its keys and limits are
+    the plugins' parts of `tenants.NAME`."""
+
+    webhook: WebhookSettings | None = None  # this tenant's jobs' events go here instead of `background.webhook`
 
 
 class RedisSettings(Strict):
@@ -316,17 +330,6 @@ class ResponsesSettings(Strict):
     default_model: str | None = None
     index_ttl_s: float = Field(30 * 86400.0, gt=0)  # how long the gateway remembers who created a response
     websocket: WebSocketSettings = WebSocketSettings()
-
-
-class WebhookSettings(Strict):
-    """Signed webhooks for background jobs that ended (gateway/jobs/webhooks.py)."""
-
-    url: str = Field(pattern=r"^https?://")
-    secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]{16,}$")  # Standard Webhooks: base64 after the prefix
-    max_attempts: int = Field(12, ge=1)
-    first_retry_s: float = Field(1.0, gt=0)
-    max_retry_s: float = Field(600.0, gt=0)
-    timeout_s: float = Field(10.0, gt=0)
 
 
 class BackgroundSettings(Strict):

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -195,15 +196,28 @@ class Background:
         self.renewed_at: float | None = None  # time.monotonic() when the last renewal that succeeded was sent
         self._lease: asyncio.Task[None] | None = None
         # Signed events for the jobs that end (webhooks.py): added by whoever ends a job, sent by any instance.
-        self.webhooks = Webhooks(spec.webhook, store) if spec.webhook is not None else None
+        # A job's watch is looked at once its owner's lease would have run out twice over.
+        own = {name: tenant.webhook for name, tenant in settings.tenants.items() if tenant.webhook is not None}
+        hooks = None
+        if spec.webhook is not None or own:
+            hooks = Webhooks(spec.webhook, own, store, self._settle, 2 * spec.lease_s)
+        self.webhooks = hooks
         self._notices: set[asyncio.Task[None]] = set()
 
     def _ended(self, job: Job, status: str) -> None:
         """A job ended here: its webhook is stored in a task of its own (it retries while the store is away)."""
         if self.webhooks is not None:
-            notice = asyncio.get_running_loop().create_task(self.webhooks.ended(job, status))
-            self._notices.add(notice)
-            notice.add_done_callback(self._notices.discard)
+            self._notice(self.webhooks.ended(job, status))
+
+    def _notice(self, write: Coroutine[Any, Any, None]) -> None:
+        notice = asyncio.get_running_loop().create_task(write)
+        self._notices.add(notice)
+        notice.add_done_callback(self._notices.discard)
+
+    async def _settle(self, ident: str) -> Job | None:
+        """A job as it stands, marked failed first if its owner is gone (None: its record is gone)."""
+        job = await self.jobs.get(ident)
+        return None if job is None else await self.check_owner(job)
 
     async def start(self) -> None:
         if self.webhooks is not None:
@@ -294,6 +308,8 @@ class Background:
                 code="background_limit",
                 headers=[(b"retry-after", b"1")],
             )
+        if self.webhooks is not None:
+            await self.webhooks.started(job)
         entry = self.running[ident] = Running(job, time.monotonic())
         entry.task = task = asyncio.get_running_loop().create_task(self._run(entry, ex, chain, document))
         task.add_done_callback(lambda _: self.running.pop(ident, None))

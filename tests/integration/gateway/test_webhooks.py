@@ -6,6 +6,7 @@ definition, not with the gateway's code.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import threading
@@ -18,6 +19,7 @@ import httpx
 import orjson
 import pytest
 
+from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
 from tests.support.wait import wait_until
@@ -84,16 +86,17 @@ background:
 """
 
 
-def verified(headers: dict[str, str], body: bytes) -> bool:
-    key = base64.b64decode(SECRET.removeprefix("whsec_"))
+def verified(headers: dict[str, str], body: bytes, secret: str = SECRET) -> bool:
+    key = base64.b64decode(secret.removeprefix("whsec_"))
     signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
     expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
     return any(part == f"v1,{expected}" for part in headers["webhook-signature"].split(" "))
 
 
-def start_job(gw: RunningGateway) -> str:
+def start_job(gw: RunningGateway, key: str | None = None) -> str:
     payload = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
-    made = httpx.post(f"{gw.base_url}/chat/completions", json=payload, headers={"x-sluice-background": "true"})
+    headers = {"x-sluice-background": "true", **({"authorization": f"Bearer {key}"} if key else {})}
+    made = httpx.post(f"{gw.base_url}/chat/completions", json=payload, headers=headers)
     assert made.status_code == 202, made.text
     ident: str = made.json()["id"]
     return ident
@@ -158,3 +161,63 @@ def test_a_delivery_whose_gateway_was_killed_mid_post_is_made_by_another(
     headers, body, _ = receiver.delivered()[0]
     assert verified(headers, body)
     assert orjson.loads(body)["data"]["id"] == ident
+
+
+def test_a_job_whose_gateway_was_killed_mid_run_still_sends_its_event(
+    receiver: Receiver, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # Killed while the job runs: nobody reports its end, so its watch (stored as it started) comes due on
+    # another instance, which finds the owner gone, marks the job failed and sends that event; no read needed.
+    text = f"""
+backends:
+  sim: {{type: simulated, ttft_ms: 10, tpot_ms: 500, tokens: 100}}
+models:
+  m: {{backend: sim}}
+background:
+  lease_s: 1
+  webhook: {{url: "{receiver.url}", secret: "{SECRET}", first_retry_s: 0.2, max_retry_s: 0.8, timeout_s: 2}}
+redis: {{url: "{redis_server.url}"}}
+"""
+    with redis_server.client() as client, gateway_process(text, tmp_path) as first:
+        ident = start_job(first)
+        wait_until(lambda: client.zcard("sluice:bg:webhooks") == 1, timeout=10, what="the job's watch")
+        assert first.proc is not None
+        first.proc.kill()
+        first.proc.wait(10)
+        assert receiver.got == []
+        with gateway_process(text, tmp_path):
+            wait_until(receiver.delivered, timeout=30, what="the event, sent by the second instance")
+            wait_until(lambda: client.zcard("sluice:bg:webhooks") == 0, timeout=10, what="the delivery removed")
+        headers, body, _ = receiver.delivered()[0]
+        assert verified(headers, body)
+        event = orjson.loads(body)
+        assert (event["type"], event["data"]["id"], event["data"]["status"]) == ("background.failed", ident, "failed")
+        assert client.hget(f"sluice:bg:{{{ident}}}:job", "status") == b"failed"
+
+
+def test_a_tenant_with_a_webhook_of_its_own_gets_its_events_there_signed_with_its_secret(receiver: Receiver) -> None:
+    own_key, own_hash = new_key()
+    other_key, other_hash = new_key()
+    own_secret = "whsec_" + base64.b64encode(b"acme's own secret, 32 bytes long").decode()
+    with contextlib.closing(Receiver()) as own:
+        text = (
+            config(receiver.url)
+            + f"""
+tenants:
+  acme: {{keys: ["{own_hash}"], webhook: {{url: "{own.url}", secret: "{own_secret}", timeout_s: 2}}}}
+  globex: {{keys: ["{other_hash}"]}}
+plugins: [auth]
+"""
+        )
+        with gateway_thread(text) as gw:
+            mine = start_job(gw, own_key)
+            wait_until(own.delivered, timeout=10, what="acme's event")
+            theirs = start_job(gw, other_key)
+            wait_until(receiver.delivered, timeout=10, what="globex's event, at the default webhook")
+        (headers, body, _), (default_headers, default_body, _) = own.delivered()[0], receiver.delivered()[0]
+        assert orjson.loads(body)["data"]["id"] == mine
+        assert orjson.loads(default_body)["data"]["id"] == theirs
+        assert verified(default_headers, default_body)
+        assert not verified(headers, body)  # not with the default secret: with acme's own
+        assert verified(headers, body, own_secret)
+        assert [orjson.loads(b)["data"]["tenant"] for _, b, _ in own.got] == ["acme"]  # nobody else's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -27,6 +27,18 @@ class Target:
     upstream_model: str  # the name sent upstream (Azure: the deployment)
     settings: ModelSettings
     provider: Provider
+
+
+class RouteBias(Protocol):
+    """A plugin's weight on each endpoint for one request (`Exchange.route_bias`), and its word of the pick."""
+
+    def __call__(self, endpoint: str) -> int:
+        """The endpoint's weight (by its label): least_outstanding prefers the lower, before load."""
+        ...
+
+    def sent(self, ex: Exchange, endpoint: str) -> None:
+        """`ex` is being sent to `endpoint` (again to another, when the first failed before its first byte)."""
+        ...
 
 
 class Exchange:
@@ -52,6 +64,9 @@ class Exchange:
     # Fields a plugin adds to the upstream body, per backend name (the admission plugin: vLLM's `priority`,
     # OpenAI's `service_tier`); None, the default, sends the client's body as it came.
     upstream_fields: Mapping[str, Mapping[str, Any]] | None = None
+    # Set by a plugin: per endpoint label, what least_outstanding weighs before load (the admission plugin: the
+    # top-class requests in flight there, which an engine that preempts by priority cannot pause for this one).
+    route_bias: RouteBias | None = None
 
     def __init__(
         self,

@@ -75,6 +75,9 @@ class Run:
     def in_service(self) -> int:
         return 1
 
+    def endpoint_urls(self) -> list[str]:
+        return []
+
     async def aclose(self) -> None:
         return None  # the jobs are Background's to end
 

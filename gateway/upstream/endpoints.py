@@ -266,6 +266,8 @@ class Endpoints:
             endpoint, score = policy.pick(key, remaining, now)
             ex.route_ms += (time.perf_counter() - started) * 1000.0
             ex.routed = (endpoint.label, policy.name, score)
+            if ex.route_bias is not None:
+                ex.route_bias.sent(ex, endpoint.label)
             response: UpstreamResponse | None = None
             try:
                 response = await endpoint.client.request(method, path, headers, body)

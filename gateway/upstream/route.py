@@ -5,7 +5,9 @@ block hashes), then `pick(key, endpoints, now)` for each endpoint tried, from th
 response head `served(key, endpoint, now)` lets it remember where the request went.
 
 - round_robin: in turn.
-- least_outstanding: the power of two choices: two endpoints at random, the less loaded one.
+- least_outstanding: the power of two choices: two endpoints at random, the less loaded one; where a plugin
+  set `ex.route_bias`, the one with the lower bias first, then the less loaded (the admission plugin: a
+  top-class request goes where the fewest requests run that the engine cannot preempt for it).
 - session: rendezvous hashing of a session id (a header, else the body's `user`): a session sticks to one
   endpoint, and when endpoints come or go only the sessions of those endpoints move.
 - prefix: the endpoint that has recently been sent most of this request's leading prompt, less what its load
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from gateway.upstream.prefix import Blocks, block_ends, prompt_blocks
 
 if TYPE_CHECKING:
-    from gateway.context import Exchange
+    from gateway.context import Exchange, RouteBias
     from gateway.settings import RoutingSettings
     from gateway.upstream.replica import Endpoint
 
@@ -70,19 +72,20 @@ class LeastOutstanding:
     def __init__(self, fresh_s: float) -> None:
         self.fresh_s = fresh_s
 
-    def key(self, ex: Exchange) -> None:
-        return None
+    def key(self, ex: Exchange) -> RouteBias | None:
+        return ex.route_bias
 
-    def pick(self, key: Any, endpoints: list[Endpoint], now: float) -> tuple[Endpoint, float]:
-        return two_choices(endpoints, now, self.fresh_s)
+    def pick(self, key: RouteBias | None, endpoints: list[Endpoint], now: float) -> tuple[Endpoint, float]:
+        return two_choices(endpoints, now, self.fresh_s, key)
 
     def served(self, key: Any, endpoint: Endpoint, now: float) -> None:
         return None
 
 
 # Headers in which agent clients send their session's id, recognised after the configured `session_header`:
-# Claude Code's, and the generic one (the default `session_header`, also looked at when another is configured).
-AGENT_SESSION_HEADERS = (b"x-claude-code-session-id", b"x-session-id")
+# Claude Code's, the `session_id` OpenAI's Codex clients send on their WebSocket handshake, and the generic one
+# (the default `session_header`, also looked at when another is configured).
+AGENT_SESSION_HEADERS = (b"x-claude-code-session-id", b"session_id", b"x-session-id")
 
 
 class Session:
@@ -99,7 +102,9 @@ class Session:
                 value = ex.header(header)
                 if value is not None:
                     return value
-            user = ex.json.get("user")
+            # The Responses and chat APIs' `prompt_cache_key` names what should meet the same cache (the Codex CLI
+            # sends its conversation's id there, and no session header): the same affinity a session asks for.
+            user = ex.json.get("prompt_cache_key") or ex.json.get("user")
             if user is None:  # Anthropic's Messages API: metadata.user_id (Claude Code's holds its session)
                 metadata = ex.json.get("metadata")
                 user = metadata.get("user_id") if isinstance(metadata, dict) else None
@@ -291,8 +296,11 @@ class Prefix:
                 self._drop(block, bit)
 
 
-def two_choices(endpoints: list[Endpoint], now: float, fresh_s: float) -> tuple[Endpoint, float]:
-    """The power of two choices: nearly the least loaded, without herding every request onto it."""
+def two_choices(
+    endpoints: list[Endpoint], now: float, fresh_s: float, bias: RouteBias | None = None
+) -> tuple[Endpoint, float]:
+    """The power of two choices: nearly the least loaded, without herding every request onto it; with `bias`,
+    the lower bias of the two first."""
     count = len(endpoints)
     if count == 1:
         return endpoints[0], 0.0
@@ -302,6 +310,10 @@ def two_choices(endpoints: list[Endpoint], now: float, fresh_s: float) -> tuple[
         second += 1
     a, b = endpoints[first], endpoints[second]
     load_a, load_b = a.load(now, fresh_s), b.load(now, fresh_s)
+    if bias is not None:
+        bias_a, bias_b = bias(a.label), bias(b.label)
+        if bias_a != bias_b:
+            return (a, load_a) if bias_a < bias_b else (b, load_b)
     return (a, load_a) if load_a <= load_b else (b, load_b)
 
 

@@ -11,6 +11,8 @@ admission:
   above_allowed: clamp           # a header asking above the tenant's max_class: clamp (default) or refuse (403)
   backends:
     vllm: {max_in_flight: 16}    # per endpoint (replica): more waits at the gateway, by class
+    sglang: {max_in_flight: 32, engine_preempts: true}   # the top class passes a full gate: the engine makes room
+    llama: {max_in_flight: 4, capacity: auto}            # read from the engine (/slots, /metrics); 4 if unreadable
 tenants:
   acme: {priority: {class: interactive, max_class: interactive, weight: 3}}
 ```
@@ -49,6 +51,16 @@ class BackendCapacity(Strict):
     max_queue: int = Field(1024, ge=0)  # waiting at the gateway for this backend, every class together
     # Of max_in_flight, the slots per endpoint only the highest class may take: it then finds one at once.
     reserved: int = Field(0, ge=0)
+    # The engine preempts a running request of a lower priority for a higher one (SGLang with
+    # `--enable-priority-scheduling`, vLLM's V0 engine with `--scheduling-policy priority`; not vLLM's V1
+    # engine): the highest class is let through a full gate at once, up to the capacity again, and the engine
+    # pauses a lower class's request to run it. Its class must send the engine a priority (`vllm_priority`);
+    # with several replicas, `routing: least_outstanding` sends it where the fewest of its class run.
+    engine_preempts: bool = False
+    # `auto`: each endpoint's capacity as its engine reports it (llama.cpp's /slots, vLLM's /metrics), read
+    # every `poll_s` in the background; `max_in_flight` where it cannot be read (plugins/admission/capacity.py).
+    capacity: Literal["configured", "auto"] = "configured"
+    poll_s: float = Field(1.0, gt=0, le=60)
 
     @model_validator(mode="after")
     def _room_left(self) -> BackendCapacity:

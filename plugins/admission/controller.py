@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway import errors
 from gateway.plugin import Configured, Empty, Problem, Schema
+from plugins.admission.capacity import READABLE, Reader
 from plugins.admission.config import (
     HEADER,
     AdmissionSection,
@@ -79,9 +80,22 @@ class Admission:
             value = getattr(section, key)
             if value is not None and value not in names:
                 yield f"admission.{key}", f"no class named {value!r} (classes: {', '.join(sorted(names))})"
-        for backend in section.backends:
-            if backend not in settings.backends:
+        for backend, capacity in section.backends.items():
+            defined = settings.backends.get(backend)
+            if defined is None:
                 yield f"admission.backends.{backend}", f"no backend named {backend!r}"
+                continue
+            if capacity.capacity == "auto" and defined.type not in READABLE:
+                yield (
+                    f"admission.backends.{backend}.capacity",
+                    f"auto reads the capacity of vllm and llamacpp engines; {backend!r} is {defined.type}",
+                )
+            if capacity.engine_preempts and section.classes[0].vllm_priority is None:
+                yield (
+                    f"admission.backends.{backend}.engine_preempts",
+                    f"the engine preempts by the priority it is sent: class {section.classes[0].name!r} needs a "
+                    "vllm_priority",
+                )
         for tenant, spec in config.tenants.items():
             for key, value in (("class", spec.priority.class_), ("max_class", spec.priority.max_class)):
                 if value is not None and value not in names:
@@ -108,6 +122,7 @@ class Admission:
         self.refuse = section.above_allowed == "refuse"
         self.fields = fields_by_class(section.classes, settings)  # rank -> backend -> fields, or None
         self.gates: dict[str, Gate] = {}
+        self.readers: list[Reader] = []  # capacity: auto, one a backend
         self.shed: Any = None
         self.queued: Any = None
         self.queue_seconds: Any = None
@@ -128,7 +143,12 @@ class Admission:
                 self._weight,
                 capacity.max_queue,
                 capacity.reserved,
+                capacity.engine_preempts,
             )
+            if capacity.capacity == "auto":
+                kind = runtime.settings.backends[backend].type
+                reader = Reader(self.gates[backend], kind, providers[backend], capacity.max_in_flight, capacity.poll_s)
+                self.readers.append(reader)
         meter = runtime.meter
         self.shed = meter.counter(
             "sluice_admission_shed_total",
@@ -151,6 +171,19 @@ class Admission:
             "Time requests waited at the gateway for a slot (divide by sluice_admission_queued_total: mean wait).",
             ("backend", LABEL),
         )
+        if self.readers:
+            reported = meter.gauge(
+                "sluice_admission_capacity",
+                "A backend's capacity as its engines report it (capacity: auto): requests at once, every endpoint.",
+                ("backend",),
+            )
+            for reader in self.readers:
+                reader.gauge = reported.labels(reader.gate.backend)
+                reader.start()
+
+    async def shutdown(self) -> None:
+        for reader in self.readers:
+            await reader.stop()
 
     def classify(self, ex: Exchange) -> Class:
         """The request's class: asked for, within what its tenant may use; else its tenant's default."""
@@ -201,9 +234,14 @@ class Admission:
         gate = self.gates.get(targets[0].backend)
         if gate is None:
             return
+        if gate.preempts and not cls.rank:
+            ex.route_bias = gate.bias  # to the replica running the fewest of its class, which it cannot preempt
         if gate.inflight < gate.limits[cls.rank] and not gate.waiting:  # Gate.enter, inline
             gate.inflight += 1
             ex.state[NAME] = (gate, time.perf_counter())
+            return
+        if gate.past(cls.rank):
+            ex.state[NAME] = (gate, time.perf_counter(), True)
             return
         if cls.spill and self._spill(ex, gate, cls):
             return
@@ -301,13 +339,18 @@ class Admission:
         return None if ex.stream else served_tier(head, len(head.headers) - 1)
 
     async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
-        held: tuple[Gate, float] | None = ex.state.pop(NAME, None)  # the gate's slot and since when
+        # The gate's slot, since when, and (a third item) whether it passed the full gate as the engine preempts.
+        held: tuple[Any, ...] | None = ex.state.pop(NAME, None)
         if held is None:
             return
-        gate, since = held
+        gate: Gate = held[0]
+        since: float = held[1]
+        if ex.route_bias is not None:
+            gate.bias.ended(ex)
+        over = len(held) > 2
         status = outcome.status
         if status >= 400 or status == 0:
-            gate.leave_now()  # a failure says nothing of how long the backend takes to serve
+            gate.leave_now(over)  # a failure says nothing of how long the backend takes to serve
             return
         ttft = outcome.ttft_ms
-        gate.leave(time.perf_counter() - since, None if ttft is None else ttft / 1000.0 - (since - ex.started))
+        gate.leave(time.perf_counter() - since, None if ttft is None else ttft / 1000.0 - (since - ex.started), over)

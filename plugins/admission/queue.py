@@ -14,6 +14,13 @@ once served. Both means are exponentially weighted over the last few dozen reque
 `capacity - reserved` are in flight, so that a top-class request finds a slot at once instead of waiting for
 the next one to free (a backend without preemption cannot make room any faster).
 
+A backend whose engine preempts by priority (`engine_preempts`) lets a top-class request through at once even
+when the gate is full, up to `capacity` such requests past the limit: the engine makes room by pausing a
+running request of a lower class, which the gateway cannot do without breaking that request's answer.
+
+The capacity is `max_in_flight` per endpoint in service, or what the engines report (`capacity: auto`,
+capacity.py), which `read` holds: read from the engines off the request path, used here as a number.
+
 Unloaded, a request costs one comparison and an increment going in and a decrement going out.
 """
 
@@ -22,6 +29,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.context import Exchange
 
 ALPHA = 0.05  # weight of a new sample in the moving means: about the last 40 requests
 
@@ -84,6 +95,35 @@ class Fair:
         return True
 
 
+AT = "admission.at"  # ex.state: the endpoint a top-class request is counted at
+
+
+class Tops:
+    """Top-class requests in flight per endpoint label, counted from the moment one is sent there
+    (`ex.route_bias`: the weight least_outstanding compares before load)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+
+    def __call__(self, endpoint: str) -> int:
+        return self.count.get(endpoint, 0)
+
+    def sent(self, ex: Exchange, endpoint: str) -> None:
+        count = self.count
+        before = ex.state.get(AT)
+        if before is not None:
+            count[before] -= 1  # the endpoint before failed: counted at the next one instead
+        count[endpoint] = count.get(endpoint, 0) + 1
+        ex.state[AT] = endpoint
+
+    def ended(self, ex: Exchange) -> None:
+        endpoint = ex.state.pop(AT, None)
+        if endpoint is not None:
+            self.count[endpoint] -= 1
+
+
 class Full(Exception):
     """The gate's queue is at `max_queue`."""
 
@@ -100,6 +140,7 @@ class Gate:
         weight: Callable[[str], int],
         max_queue: int,
         reserved: int = 0,
+        preempts: bool = False,
     ) -> None:
         self.backend = backend
         self.per_endpoint = per_endpoint
@@ -109,6 +150,12 @@ class Gate:
         self.limits: list[int] = []  # by rank: the in-flight count below which a request of that class passes
         self.inflight = 0
         self.waiting = 0
+        self.preempts = preempts  # the engine preempts a lower priority: the top class may pass a full gate
+        self.over = 0  # top-class requests in flight that passed the full gate (the engine made room)
+        self.read: int | None = None  # the capacity the engines report (capacity: auto), None: configured
+        # With `preempts`: per endpoint, top-class requests in flight there, which its engine cannot pause for
+        # another: least_outstanding sends a top-class request where there are fewest.
+        self.bias = Tops()
         self.max_queue = max_queue
         self.queues = [Fair(weight) for _ in range(classes)]  # by rank, 0 the highest
         self._size()
@@ -117,7 +164,7 @@ class Gate:
 
     def _size(self) -> None:
         count = max(1, self.endpoints())
-        self.capacity = self.per_endpoint * count
+        self.capacity = self.per_endpoint * count if self.read is None else max(1, self.read)
         shared = max(1, self.capacity - self.reserved_per_endpoint * count)
         self.limits = [self.capacity] + [shared] * (len(self.queues) - 1)
 
@@ -127,6 +174,21 @@ class Gate:
             self.inflight += 1
             return True
         return False
+
+    def past(self, rank: int) -> bool:
+        """A top-class request through a full gate, when the engine preempts a lower class to make room."""
+        if rank or not self.preempts or self.over >= self.capacity:
+            return False
+        self.inflight += 1
+        self.over += 1
+        return True
+
+    def resize(self, read: int | None) -> None:
+        """The capacity the engines report now (None: the configured one); waiters take any room it makes."""
+        self.read = read
+        self._size()
+        if self.waiting:
+            self._hand_over()
 
     def ahead(self, rank: int) -> int:
         """Requests that would be served before a new one of class `rank`."""
@@ -159,15 +221,18 @@ class Gate:
                 self.waiting -= 1
             raise
 
-    def leave(self, held_s: float, ttft_s: float | None) -> None:
-        """A request let through has ended after holding its slot `held_s`; its TTFT, when it had one."""
+    def leave(self, held_s: float, ttft_s: float | None, over: bool = False) -> None:
+        """A request let through has ended after holding its slot `held_s`; its TTFT, when it had one; `over`:
+        it had passed the full gate (`past`)."""
         self.hold_s = held_s if self.hold_s <= 0.0 else self.hold_s + ALPHA * (held_s - self.hold_s)
         if ttft_s is not None:
             self.ttft_s = ttft_s if self.ttft_s <= 0.0 else self.ttft_s + ALPHA * (ttft_s - self.ttft_s)
-        self.leave_now()
+        self.leave_now(over)
 
-    def leave_now(self) -> None:
+    def leave_now(self, over: bool = False) -> None:
         self.inflight -= 1
+        if over:
+            self.over -= 1
         if self.waiting:
             self._size()
             self._hand_over()

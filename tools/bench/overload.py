@@ -6,11 +6,14 @@ the simulator's flags (a request holds a batch slot for its TTFT and its decode,
 load is driven open-loop (Poisson arrivals) at `LOAD` times it: one tenant in the top class (`interactive`,
 not sheddable) sends `TOP_SHARE` of the requests, three tenants in a sheddable class (`batch`) the rest.
 
-Three runs, each through its own gateway process: the top tenant alone at its own rate (its unloaded TTFT),
-then the overload with the admission plugin (classes, `max_in_flight` = the replicas' batch of which
-`RESERVED` per replica are the top class's, the gateway's queue, shedding by predicted TTFT, `vllm_priority`
-sent upstream), then the same arrivals through a gateway
-without it, everyone piling into the engines' own FIFO queues. TTFT is the client's time to the first
+Four runs, each through its own gateway process: the top tenant alone at its own rate (its unloaded TTFT),
+then the overload with the admission plugin (classes, `max_in_flight` = the replicas' batch, the gateway's
+queue, shedding by predicted TTFT, `vllm_priority` sent upstream) against replicas that preempt by priority
+(`sluice sim --priority-preemption`, as SGLang's priority scheduling and vLLM's V0 engine do) with
+`engine_preempts` (the top class let through a full gate; `RESERVED_PREEMPTING` slots per replica kept for it,
+so that fewer batch streams need pausing); the same against replicas that do not (vLLM's V1
+engine) with `RESERVED` slots per replica kept for the top class instead; then the same arrivals through a
+gateway without it, everyone piling into the engines' own queues. TTFT is the client's time to the first
 streamed chunk (the first token comes with it). A refused request's time is the client's time to the 503 and
 the gateway's own view of it (`x-sluice-overhead-ms`).
 """
@@ -37,7 +40,8 @@ from plugins.auth.keys import new_key
 REPLICAS = 4
 MAX_BATCH = 4
 TTFT_MS, TPOT_MS, TOKENS, SLOWDOWN = 30.0, 25.0, 40, 0.1
-RESERVED = 2  # of MAX_BATCH per replica, kept for the top class
+RESERVED = 2  # of MAX_BATCH per replica, kept for the top class (engines that do not preempt)
+RESERVED_PREEMPTING = 1  # the same where the engines preempt: fewer lower-class streams to pause
 LOAD = 2.0
 TOP_SHARE = 0.2
 BULK_TENANTS = 3
@@ -74,8 +78,10 @@ def capacity() -> float:
     return REPLICAS * MAX_BATCH / service_s()
 
 
-def start_sim() -> tuple[subprocess.Popen[bytes], list[str]]:
+def start_sim(preemption: bool = False) -> tuple[subprocess.Popen[bytes], list[str]]:
     command = [sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(REPLICAS), "--port", "0", *SIM_FLAGS]
+    if preemption:
+        command.append("--priority-preemption")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     urls: list[str] = []
@@ -93,7 +99,7 @@ def start_sim() -> tuple[subprocess.Popen[bytes], list[str]]:
     return proc, urls
 
 
-def config(urls: list[str], keys: dict[str, str], classes: bool) -> str:
+def config(urls: list[str], keys: dict[str, str], classes: bool, preempts: bool = False) -> str:
     endpoints = ", ".join(f'"{url}"' for url in urls)
     tenants = "\n".join(
         f'  {name}: {{keys: ["{digest}"], priority: {{class: {"interactive" if name == "top" else "batch"}}}}}'
@@ -113,13 +119,15 @@ auth: {{required: true}}
 """
     if not classes:
         return text + "plugins: [auth]\n"
+    # How the top class finds a slot: let through a full gate for the engine to make room, or kept for it.
+    room = f"engine_preempts: true, reserved: {RESERVED_PREEMPTING}" if preempts else f"reserved: {RESERVED}"
     return (
         text
         + f"""admission:
   classes:
     - {{name: interactive, ttft_slo_ms: 60000, vllm_priority: 0}}
     - {{name: batch, ttft_slo_ms: {BATCH_SLO_MS}, sheddable: true, vllm_priority: 10}}
-  backends: {{fleet: {{max_in_flight: {MAX_BATCH}, reserved: {RESERVED}}}}}
+  backends: {{fleet: {{max_in_flight: {MAX_BATCH}, {room}}}}}
 plugins: [auth, admission]
 """
     )
@@ -252,28 +260,36 @@ def main(seconds: float = 30.0) -> int:
     keys = {name: key for name, (key, _) in credentials.items()}
     digests = {name: digest for name, (_, digest) in credentials.items()}
     overload = {"top": top_rate, **{f"bulk{i}": bulk for i in range(BULK_TENANTS)}}
+    sims: list[subprocess.Popen[bytes]] = []
+    fleets: dict[bool, list[str]] = {}
     try:
-        sim, urls = start_sim()
+        for preemption in (True, False):
+            sim, fleets[preemption] = start_sim(preemption)
+            sims.append(sim)
     except RuntimeError as exc:
+        for sim in sims:
+            sim.kill()
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
     results: list[tuple[str, dict[str, Side]]] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for run, classes, rates in (
-                ("unloaded (top alone)", True, {"top": top_rate}),
-                ("2x, with classes", True, overload),
-                ("2x, without classes", False, overload),
+            for run, classes, preempts, rates in (
+                ("unloaded (top alone)", True, True, {"top": top_rate}),
+                ("2x, with classes, engines preempt", True, True, overload),
+                ("2x, with classes, engines do not preempt", True, False, overload),
+                ("2x, without classes", False, False, overload),
             ):
-                gateway = Gateway(config(urls, digests, classes), Path(tmp))
+                gateway = Gateway(config(fleets[preempts], digests, classes, preempts), Path(tmp))
                 try:
                     results.append((run, asyncio.run(drive(gateway.base, keys, rates, seconds, len(results)))))
                 finally:
                     gateway.stop()
                 time.sleep(2.0)  # the engines drain what the last run left
     finally:
-        sim.kill()
-        sim.wait(5)
+        for sim in sims:
+            sim.kill()
+            sim.wait(5)
     print(
         f"## Overload: {REPLICAS} replicas x {MAX_BATCH} slots, capacity ~{cap:.1f} req/s, offered {LOAD:g}x "
         f"({total:.1f} req/s; top class {TOP_SHARE:.0%}), {seconds:g} s a run\n"
@@ -289,12 +305,14 @@ def main(seconds: float = 30.0) -> int:
                 print(row(run, name, side, seconds))
     unloaded = p(results[0][1]["top"].ttft_ms, 0.99)
     with_classes = results[1][1]["top"]
-    without = results[2][1]["top"]
+    no_preemption = results[2][1]["top"]
+    without = results[3][1]["top"]
     ratio = p(with_classes.ttft_ms, 0.99) / unloaded
     print(
-        f"\nTop class TTFT p99 over its unloaded p99: {ratio:.2f}x with classes (target <= 1.25x), "
+        f"\nTop class TTFT p99 over its unloaded p99: {ratio:.2f}x with classes and engines that preempt (target "
+        f"<= 1.25x), {p(no_preemption.ttft_ms, 0.99) / unloaded:.2f}x with classes and engines that do not, "
         f"{p(without.ttft_ms, 0.99) / unloaded:.2f}x without; top-class refusals with classes: "
-        f"{with_classes.refused} (target 0)."
+        f"{with_classes.refused} and {no_preemption.refused} (target 0)."
     )
     shed = results[1][1]["batch"].refusal_own_ms
     if shed:

@@ -5,6 +5,20 @@ What it models, per replica (see docs/simulator.md for the figures behind the de
 - a batch of at most `max_batch` running requests; the rest wait and are admitted as running ones finish or
   their clients leave, by the request's `priority` (lower first, as vLLM's `--scheduling-policy priority`
   does; 0 when the body has none), then in arrival order;
+- with `preemption` (`sluice sim --priority-preemption`), a request that finds the batch full takes the slot
+  of the running request of the lowest priority, when that one's priority is strictly lower than its own. The
+  one preempted stops between two tokens (its stream pauses, nothing is lost or repeated), waits again with its
+  place (priority, arrival), and once let back in recomputes its prefix (`ttft_ms`) before its next token.
+  This is what engines that preempt by priority do: vLLM's V0 scheduler under `--scheduling-policy priority`
+  (vllm/core/scheduler.py, `_schedule_priority_preemption`: while the waiting head cannot be scheduled and the
+  lowest running one ranks below it, preempt that one by recompute and put it back in the waiting queue), and
+  SGLang with `--enable-priority-scheduling` (schedule_policy.py, `preempt_to_schedule`: the lowest-priority
+  running request gives way when the difference exceeds `--priority-scheduling-preemption-threshold`; the one
+  preempted goes back to waiting and is recomputed from the radix cache). Without it (the default) the model is
+  vLLM's V1 engine, the only engine of current vLLM: its scheduler (vllm/v1/core/sched/scheduler.py) admits a
+  waiting request only while `len(self.running) < max_num_running_reqs` and never preempts for a batch slot; its
+  priority preemption (`max(self.running, key=lambda r: (r.priority, r.arrival_time))`) happens only when a
+  running request cannot get a KV block, which this model does not reach (see below);
 - a prefix cache: the prompt (`chat_tokens`) is cut into blocks of `block_tokens` tokens, each block's hash
   chained to the previous one's, so a conversation's next turn shares its leading blocks with the turn before.
   The cache is an LRU of `cache_blocks` block hashes, a prompt's tail evicted before its head. As in vLLM,
@@ -59,6 +73,7 @@ class Options:
     idle_unload_s: float = 300.0
     max_model_len: int = 4096
     server_version: str = ""  # the release stood in for (TGI's stream shape follows it); empty: the stand-in's own
+    preemption: bool = False  # a waiting request preempts a running one of strictly lower priority (see above)
 
 
 @dataclass(slots=True)
@@ -90,6 +105,8 @@ class Engine:
         self.running = 0
         self.waiting: list[tuple[int, int, asyncio.Future[None]]] = []  # a heap: (priority, arrival, turn)
         self.arrivals = 0
+        self.batch: dict[Generation, tuple[int, int]] = {}  # the running generations: (priority, arrival)
+        self.preemptions = 0
         self.blocks: OrderedDict[bytes, None] = OrderedDict()
         self.kv_blocks = 0  # blocks held by running requests, for the cache-usage gauge
         self.queries = 0  # prompt tokens looked up in the prefix cache
@@ -126,6 +143,7 @@ class Engine:
             "warmups": stats.warmups,
             "running": self.running,
             "waiting": len(self.waiting),
+            "preemptions": self.preemptions,
             "finished": self.finished,
             "cached_blocks": len(self.blocks),
             "evictions": self.evictions,
@@ -137,14 +155,28 @@ class Engine:
 
     # Batch and queue
 
-    async def admit(self, priority: int = 0) -> None:
+    async def admit(self, priority: int = 0, holder: Generation | None = None) -> None:
+        """Wait for a batch slot. `holder`, the generation that will hold it, may be preempted (with
+        `preemption`)."""
+        self.arrivals += 1
+        arrival = self.arrivals
+        if holder is not None:
+            holder.arrival = arrival
         if self.running < self.options.max_batch and not self.waiting:
             self.running += 1
-            return
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.arrivals += 1
-        entry = (priority, self.arrivals, turn)
+        elif not (self.options.preemption and holder is not None and self._preempt(priority)):
+            await self.wait(self.queue(priority, arrival))
+        # else the victim's slot passed over: `running` is unchanged
+        if holder is not None:
+            self.batch[holder] = (priority, arrival)
+
+    def queue(self, priority: int, arrival: int) -> tuple[int, int, asyncio.Future[None]]:
+        entry = (priority, arrival, asyncio.get_running_loop().create_future())
         heapq.heappush(self.waiting, entry)
+        return entry
+
+    async def wait(self, entry: tuple[int, int, asyncio.Future[None]]) -> None:
+        turn = entry[2]
         try:
             await turn  # `release` counts us as running before it wakes us
         except asyncio.CancelledError:
@@ -155,7 +187,23 @@ class Engine:
                 self.release()
             raise
 
-    def release(self) -> None:
+    def _preempt(self, priority: int) -> bool:
+        """Take the slot of the running generation of the lowest priority (the latest to arrive among equals)
+        if its priority is strictly lower (a higher value) than `priority`; it waits again at once, in its
+        old place (counted in `vllm:num_requests_waiting`, as vLLM counts a preempted request)."""
+        if not self.batch:
+            return False
+        victim, (worst, arrival) = max(self.batch.items(), key=lambda item: item[1])
+        if worst <= priority:
+            return False
+        del self.batch[victim]
+        victim.resumed = self.queue(worst, arrival)
+        self.preemptions += 1
+        return True
+
+    def release(self, holder: Generation | None = None) -> None:
+        if holder is not None:
+            self.batch.pop(holder, None)
         self.running -= 1
         while self.waiting and self.running < self.options.max_batch:
             _, _, turn = heapq.heappop(self.waiting)
@@ -205,10 +253,15 @@ class Generation:
         self.cached = 0
         self.blocks: list[bytes] = []  # the prompt's block hashes
         self.kv_blocks = math.ceil((len(tokens) + count) / engine.options.block_tokens)
+        # Preempted: its slot was taken by a request of a higher priority; its place in the queue for another.
+        self.resumed: tuple[int, int, asyncio.Future[None]] | None = None
+        self.holding = False  # counted in the engine's `running`
+        self.arrival = 0  # its place in the engine's queue, kept when it is preempted
 
     async def __aenter__(self) -> Generation:
         engine = self.engine
-        await engine.admit(self.priority)
+        await engine.admit(self.priority, self)
+        self.holding = True
         self.cached, self.blocks = engine.lookup(self.tokens)
         engine.kv_blocks += self.kv_blocks
         return self
@@ -217,12 +270,15 @@ class Generation:
         engine = self.engine
         engine.kv_blocks -= self.kv_blocks
         engine.finished += 1
-        engine.release()
+        if self.holding and self.resumed is None:
+            engine.release(self)
 
     async def prefill(self) -> None:
         options = self.engine.options
         uncached = len(self.tokens) - self.cached
         await asyncio.sleep((options.profile.ttft_ms + options.prefill_ms_per_token * uncached) / 1000.0)
+        if self.resumed is not None:
+            await self._resume(self.resumed)
         self.engine.generation_tokens += 1
 
     def generated(self, answer: list[str]) -> None:
@@ -234,7 +290,20 @@ class Generation:
         options = self.engine.options
         slowdown = 1.0 + options.batch_slowdown * max(0, self.engine.running - 1)
         await asyncio.sleep(options.profile.tpot_ms * slowdown / 1000.0)
+        if self.resumed is not None:
+            await self._resume(self.resumed)
         self.engine.generation_tokens += 1
+
+    async def _resume(self, entry: tuple[int, int, asyncio.Future[None]]) -> None:
+        """Preempted: wait for a slot again in its old place, then recompute its prefix (cached: the base
+        prefill time) before the token it was computing."""
+        engine = self.engine
+        self.holding = False
+        await engine.wait(entry)
+        self.resumed = None
+        self.holding = True
+        engine.batch[self] = (self.priority, self.arrival)
+        await asyncio.sleep(engine.options.profile.ttft_ms / 1000.0)
 
 
 def prompt_count(endpoint: str, body: dict[str, Any]) -> int | None:

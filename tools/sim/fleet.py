@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-ms", type=float, default=defaults.load_ms, help="model load time")
     p.add_argument("--idle-unload-s", type=float, default=defaults.idle_unload_s, help="Ollama's default keep_alive")
     p.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="context length in tokens")
+    p.add_argument(
+        "--priority-preemption",
+        action="store_true",
+        help="a waiting request preempts the running one of the lowest priority when that is strictly lower "
+        "(SGLang's priority scheduling, vLLM's V0 engine); default: vLLM V1, which never preempts for a batch slot",
+    )
     p.add_argument("--server-version", default="", help="the release to stand in for (TGI: its stream shape)")
 
 
@@ -80,6 +86,7 @@ def options(args: argparse.Namespace) -> Options:
         idle_unload_s=args.idle_unload_s,
         max_model_len=args.max_model_len,
         server_version=args.server_version,
+        preemption=args.priority_preemption,
     )
 
 

@@ -16,7 +16,8 @@ Behaviour that matters to a router:
 - The context limit: a prompt plus `max_tokens` beyond `--max-model-len` is a 400 BadRequestError naming both
   counts; without `max_tokens`, only a prompt longer than the limit is refused.
 - Metrics, labelled `model_name` (and `engine="0"` as vLLM V1 does): `vllm:num_requests_running`,
-  `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and its older name `vllm:gpu_cache_usage_perc`,
+  `vllm:num_requests_waiting` (a preempted request counts as waiting again), `vllm:num_preemptions_total`,
+  `vllm:kv_cache_usage_perc` and its older name `vllm:gpu_cache_usage_perc`,
   `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (in tokens),
   `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`.
 """
@@ -40,6 +41,7 @@ from tools.sim.engine import (
 from tools.sim.httpd import Request, Response, json_response
 
 VERSION = "0.9.2"
+PREEMPTIONS = "Cumulative number of preemption from the engine."
 _ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 
 
@@ -137,6 +139,7 @@ def metrics(engine: Engine) -> str:
         ("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", engine.usage_ratio()),
         ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of tokens.", engine.queries),
         ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of tokens.", engine.hits),
+        ("vllm:num_preemptions_total", "counter", PREEMPTIONS, engine.preemptions),
         ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", engine.prompt_tokens),
         ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", engine.generation_tokens),
     ):

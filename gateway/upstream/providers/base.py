@@ -88,6 +88,11 @@ class Provider(Protocol):
         """How many endpoints (replicas) are in service now: what admission scales a backend's capacity by."""
         ...
 
+    def endpoint_urls(self) -> list[str]:
+        """The base URLs of the endpoints in service (none for a backend in this process): where admission reads
+        an engine's own capacity."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -126,6 +131,9 @@ class View:
 
     def in_service(self) -> int:
         return self.inner.in_service()
+
+    def endpoint_urls(self) -> list[str]:
+        return self.inner.endpoint_urls()
 
     async def aclose(self) -> None:
         return None

@@ -153,5 +153,9 @@ class HttpProvider:
     def in_service(self) -> int:
         return len(self.endpoints.live)
 
+    def endpoint_urls(self) -> list[str]:
+        """The base URLs of the endpoints in service (the admission plugin reads their engines' capacity)."""
+        return [endpoint.url for endpoint in self.endpoints.live]
+
     async def aclose(self) -> None:
         await self.endpoints.aclose()

@@ -182,5 +182,8 @@ class SimulatedProvider:
     def in_service(self) -> int:
         return 1
 
+    def endpoint_urls(self) -> list[str]:
+        return []
+
     async def aclose(self) -> None:
         return None

@@ -33,7 +33,7 @@ HANDLES_REQUEST: tuple[type[HandlesRequest], ...] = (Auth, RateLimit, Cache, Slo
 HANDLES_FAILURE: tuple[type[HandlesFailure], ...] = (Cache,)
 HANDLES_RESPONSE: tuple[type[HandlesResponse], ...] = (RateLimit, Cache, SemanticCache, Admission)
 HANDLES_COMPLETE: tuple[type[HandlesComplete], ...] = (RateLimit, Cache, Slo, SemanticCache, Admission)
-SHUTS_DOWN: tuple[type[ShutsDown], ...] = (Auth, RateLimit, Cache, SemanticCache)
+SHUTS_DOWN: tuple[type[ShutsDown], ...] = (Auth, RateLimit, Cache, SemanticCache, Admission)
 
 CHECKED: dict[str, tuple[type[Any], ...]] = {
     "startup": STARTS_UP,

@@ -198,6 +198,9 @@ def test_refuse_mode_answers_403() -> None:
         ("{default_class: gold}", "admission.default_class"),
         ("{backends: {nope: {max_in_flight: 2}}}", "admission.backends.nope"),
         ("{classes: [{name: a}, {name: a}]}", "named twice"),
+        ("{backends: {sim: {max_in_flight: 2, capacity: auto}}}", "admission.backends.sim.capacity"),
+        ("{backends: {sim: {max_in_flight: 2, engine_preempts: true}}}", "admission.backends.sim.engine_preempts"),
+        ("{backends: {sim: {max_in_flight: 2, capacity: sometimes}}}", "capacity"),
     ],
 )
 def test_config_mistakes_are_named(admission: str, problem: str) -> None:
@@ -209,3 +212,30 @@ plugins: [admission]
 """
     with pytest.raises(Exception, match=problem.replace(".", r"\.")):
         parse(text, "<test>")
+
+
+async def test_the_top_class_passes_a_full_gate_only_when_the_engine_preempts() -> None:
+    g = Gate("b", 2, lambda: 1, 2, lambda _: 1, 100, 0, preempts=True)
+    assert g.enter(1)
+    assert g.enter(1)
+    assert not g.past(1)  # a lower class never passes a full gate
+    assert g.past(0)
+    assert g.past(0)
+    assert not g.past(0)  # at most the capacity again past the limit
+    assert (g.inflight, g.over) == (4, 2)
+    g.leave_now(over=True)
+    assert (g.inflight, g.over) == (3, 1)
+    assert not Gate("b", 1, lambda: 1, 2, lambda _: 1, 100).past(0)  # an engine without preemption: it waits
+
+
+async def test_a_capacity_read_resizes_the_gate_and_wakes_waiters() -> None:
+    g = gate(capacity=1, classes=1)
+    assert g.enter()
+    waiting = asyncio.ensure_future(g.wait("t", 0))
+    await asyncio.sleep(0)
+    assert g.waiting == 1
+    g.resize(3)  # the engine says it can run three
+    await asyncio.wait_for(waiting, 1)
+    assert (g.capacity, g.inflight, g.waiting) == (3, 2, 0)
+    g.resize(None)  # unreadable: the configured one again
+    assert g.capacity == 1

@@ -276,6 +276,8 @@ def test_sessions_are_found_in_agent_clients_own_headers_and_metadata() -> None:
     assert key([(b"x-my-session", b"a"), (b"x-claude-code-session-id", b"b")], {}) == b"a"
     assert key([(b"x-claude-code-session-id", b"b")], {"user": "u"}) == b"b"
     assert key([(b"x-session-id", b"c")], {}) == b"c"
+    assert key([(b"session_id", b"codex-1"), (b"x-session-id", b"c")], {}) == b"codex-1"  # the Codex CLI's
+    assert key([], {"prompt_cache_key": "conv-1", "user": "u"}) == b"conv-1"
     assert key([], {"user": "u"}) == b"u"
     assert key([], {"metadata": {"user_id": "user_1_session_2"}}) == b"user_1_session_2"
     assert key([], {}) is None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from gateway import errors
 from gateway.server.responder import Watcher
 from gateway.server.websocket import SEND_MANY
 from gateway.wire.response_events import TERMINAL
@@ -110,7 +111,7 @@ class Responder(Watcher):
                 found = orjson.loads(payload).get("error") or {}
             except orjson.JSONDecodeError:
                 found = {}
-            return self._error(500, found)
+            return self._error(_status_of(found), found)
         if name in TERMINAL_BYTES or (not name and any(kind in payload[:80] for kind in TERMINAL_BYTES)):
             with contextlib.suppress(orjson.JSONDecodeError):
                 event = orjson.loads(payload)
@@ -141,3 +142,19 @@ class Responder(Watcher):
         if self.lane is not None:
             event["stream_id"] = self.lane
         return orjson.dumps(event).decode()
+
+
+# A broken stream's last event carries the error but not the status a whole answer would have had: told by
+# its code (a cut upstream 502, an upstream past its deadline 504, the gateway going away 503), else 500.
+BROKEN_STATUS: dict[object, int] = {
+    errors.UpstreamError.code: errors.UpstreamError.status,
+    errors.UpstreamTimeoutError.code: errors.UpstreamTimeoutError.status,
+    errors.ServiceUnavailableError.code: errors.ServiceUnavailableError.status,
+}
+
+
+def _status_of(error: dict[str, Any]) -> int:
+    status = BROKEN_STATUS.get(error.get("code"))
+    if status is not None:
+        return status
+    return errors.UpstreamError.status if error.get("type") == "upstream_error" else 500

@@ -1,14 +1,14 @@
 """cache: exact-prompt answers from memory (L1) or Redis (L2), in whichever form the client asked for.
 
-- Key: `sluice:cache:v3:{<tenant>}:<model>:<sha256>`, the sha256 of the canonical JSON (sorted keys) of
-  tenant, public model, endpoint and every request field except the transport-only ones (`stream`,
-  `stream_options`, `user`, `metadata`, `store`). Field order and whitespace do not matter; unknown fields
-  (vLLM's sampling extras) do. Tenants never share an entry unless the model is configured
-  `cache: {shared: true}` (tenant `*` in the key). Tenant and model are in the key in clear (percent-encoded
-  where they hold anything but letters, digits and `-_.`), so that `sluice cache purge --tenant T` is a scan
-  of one prefix that can never match another tenant's keys; the tenant is the hash tag, so that a tenant's
-  entries share a Redis Cluster slot. `key()` is the only place that builds a key; `layout` the only place
-  that knows its parts (plugins/cache/layout.py).
+- Key: `sluice:cache:v3:{<tenant>}:<model>:<sha256>`, the sha256 of the canonical JSON (sorted keys) of tenant,
+  public model, endpoint and every request field except the transport-only ones (`stream`, `stream_options`, `user`,
+  `metadata`, `store`, `prompt_cache_key`, `safety_identifier`). Field order and whitespace do not matter; unknown
+  fields (vLLM's sampling extras) do. Tenants never share an entry unless the model is configured `cache: {shared:
+  true}` (tenant `*` in the key). Tenant and model are in the key in clear (percent-encoded where they hold anything
+  but letters, digits and `-_.`), so that `sluice cache purge --tenant T` is a scan of one prefix that can never
+  match another tenant's keys; the tenant is the hash tag, so that a tenant's entries share a Redis Cluster slot.
+  `key()` is the only place that builds a key; `layout` the only place that knows its parts
+  (plugins/cache/layout.py).
 - Policy per model: `deterministic` (the default: only temperature 0 or a seed), `always`, `off`.
   `Cache-Control: no-cache` skips the lookup but stores the answer; `no-store` does neither.
 - Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]`. The stored

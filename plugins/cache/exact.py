@@ -33,7 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.cache")
 
-TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+# How the answer travels or whom it is for, not what it says: `prompt_cache_key` and `safety_identifier` name a
+# conversation and a user for the provider (the Codex CLI sends a new key per conversation).
+TRANSPORT_ONLY = frozenset(
+    {"stream", "stream_options", "user", "metadata", "store", "prompt_cache_key", "safety_identifier"}
+)
 # For the Responses API `store` decides whether the answer's id can be retrieved and continued later.
 RESPONSES_TRANSPORT_ONLY = TRANSPORT_ONLY - {"store"}
 JSON_TYPE = (b"content-type", b"application/json")

@@ -96,6 +96,8 @@ def test_codex_exec_through_a_pinned_upstream_socket(codex: Path, tmp_path: Path
     assert len(fake.sockets) == 1  # one upstream socket for Codex's one socket
     assert fake.sockets[0].headers["authorization"] == "Bearer backend-key"
     assert KEY not in str(fake.sockets[0].headers)
+    # Codex names its conversation in `prompt_cache_key`: the key the `session` routing policy sticks to.
+    assert all(create.get("prompt_cache_key") for create in fake.sockets[0].creates)
     # Its turn went up that socket (measured here: 1 create, no HTTP post); on a loaded machine the socket may still
     # be opening when the turn comes, and then it goes over HTTP: either way the upstream's name for the model.
     sent = [create["model"] for create in fake.sockets[0].creates] + [post.body["model"] for post in fake.posts]

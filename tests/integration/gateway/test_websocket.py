@@ -19,7 +19,7 @@ from websockets.sync.connection import Connection
 from plugins.auth.keys import add, new_key, revoke
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
 from tests.support.redis import RedisServer
-from tests.support.upstream import Ok, ScriptedUpstream, Status
+from tests.support.upstream import Ok, ResetMidStream, ScriptedUpstream, Status
 from tests.support.wait import wait_until
 
 KEY, KEY_HASH = new_key()
@@ -368,3 +368,16 @@ def test_a_turn_fails_over_before_its_first_event_and_a_rate_limit_is_an_error_e
         assert limited["status"] == 429
         assert limited["error"]["code"] == "rate_limit_exceeded"
         assert int(limited["headers"]["retry-after"]) >= 1
+
+
+def test_a_stream_cut_mid_turn_is_an_error_event_with_the_status_of_its_cause(
+    gateway: RunningGateway, upstream: ScriptedUpstream
+) -> None:
+    with socket(gateway) as ws:
+        upstream.script(ResetMidStream(after_chunks=2))
+        events = turn(ws, model="gpt", input="first")
+        assert events[0]["type"] == "response.created"  # under way: too late for another target
+        assert events[-1]["type"] == "error"
+        assert events[-1]["status"] == 502  # the upstream cut it: a bad gateway, not the gateway's own fault
+        assert events[-1]["error"]["type"] == "upstream_error"
+        assert turn(ws, model="gpt", input="second")[-1]["type"] == "response.completed"  # the socket goes on

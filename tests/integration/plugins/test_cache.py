@@ -125,6 +125,9 @@ def test_field_order_and_whitespace_do_not_matter(gateway: RunningGateway, upstr
     assert httpx.post(url, content=second, headers=headers).headers["x-sluice-cache"] == "hit"
     third = b'{"model":"chat","temperature":0,"messages":[{"role":"user","content":"y"}]}'
     assert httpx.post(url, content=third, headers=headers).headers["x-sluice-cache"] == "miss"
+    # Whom and which conversation it is for does not change the answer (agent clients send a key per conversation).
+    fourth = first[:-1] + b',"user":"u1","prompt_cache_key":"conv-2","safety_identifier":"s1"}'
+    assert httpx.post(url, content=fourth, headers=headers).headers["x-sluice-cache"] == "hit"
 
 
 def test_sampled_requests_are_never_cached(gateway: RunningGateway, upstream: ScriptedUpstream) -> None:

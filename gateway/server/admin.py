@@ -53,7 +53,13 @@ def status_of(runtime: Runtime) -> dict[str, Any]:
         "version": __version__,
         "uptime_s": round(time.monotonic() - runtime.created, 1),
         "backends": runtime.upstreams.report(),
-        "redis": {"configured": store is not None, "reachable": None if store is None else not store.down},
+        "redis": {
+            "configured": store is not None,
+            "reachable": None if store is None else not store.down,
+            # How long calls still fail untried after the last failure (the breaker's cool-down): 0 once the
+            # next call will be tried, which is when a restarted Redis is found again.
+            "retry_in_s": None if store is None else round(max(store.retry_in_s(), 0.0), 3),
+        },
         "plugins": list(runtime.settings.plugins),
     }
 

@@ -22,7 +22,7 @@ class SemanticSection(Strict):
     enabled: bool = True  # for every model; `models.NAME.semantic_cache.enabled` overrides
     embedding_model: str = ""  # a model of this config on a backend with /v1/embeddings
     embed: EmbedMode = "last_user"
-    threshold: float = Field(0.85, gt=0, le=1)  # cosine at or above which an entry may answer (docs: the curve)
+    threshold: float = Field(0.80, gt=0, le=1)  # cosine at or above which an entry may answer (docs: the curve)
     ttl_s: float = Field(3600.0, gt=0)
     # embed + search; past it the request goes upstream. 100 ms: a local CPU embedder meets it (10-30 ms a prompt).
     lookup_deadline_ms: float = Field(100.0, gt=0)

@@ -40,6 +40,8 @@ BUNDLED = (
     ("transformed", "rule-made look-alikes (tools/semantic_pairs.py); tuned on"),
     ("transformed-holdout", "rule-made, held-out templates; run once, then one round of changes"),
     ("transformed-late", "rule-made from later seeds; frozen before the last changes, never tuned on"),
+    ("natural", "hand-written everyday requests in other domains; frozen, measured, then tuned on"),
+    ("natural-sealed", "the other half of the natural pairs; frozen, only ever read in total, never tuned on"),
 )
 THRESHOLDS = tuple(round(0.70 + i / 100, 2) for i in range(30))  # 0.70 .. 0.99
 TARGET_FHR = 0.02

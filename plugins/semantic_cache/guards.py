@@ -57,6 +57,7 @@ whatever the number of candidates.
 from __future__ import annotations
 
 from collections.abc import Callable
+from difflib import SequenceMatcher
 
 from plugins.semantic_cache import lexicon
 from plugins.semantic_cache.profiles import (
@@ -144,7 +145,7 @@ def _substituted(a: Profile, b: Profile) -> bool:
         return False
     if _slipped(_written(a.words - b.words, x), _written(b.words - a.words, y)):
         return False  # "working" / "wrking": a slip of the written word that its stem no longer shows
-    return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG})
+    return bool(set(a.content) & set(b.content) - ORDER_TAGS - {COORDINATOR_TAG}) and _one_edit(a, b)
 
 
 def _written(words: frozenset[str], content_word: str) -> list[str]:
@@ -168,14 +169,40 @@ def _agent(x: str, y: str) -> bool:
 def _units_differ(a: Profile, b: Profile) -> bool:
     if a.units == b.units:
         return False
-    # "How long is the flight?" / "How many hours is the flight?": a unit named against an open measure.
-    if not a.units and OPEN_MEASURE.search(a.text):
-        return False
-    return not (not b.units and OPEN_MEASURE.search(b.text))
+    # "How long is the flight?" / "How many hours is the flight?": the units of one side only, named against an
+    # open measure of the other, answer it; not when they are an amount given ("how much caffeine is in a shot"
+    # / "... in a liter"), which the other side does not ask for.
+    for one, other in ((a, b), (b, a)):
+        if one.units <= other.units and OPEN_MEASURE.search(one.text):
+            return bool(_given_units(other) & (other.units - one.units))
+    return True
+
+
+_AMOUNT_WORDS = frozenset(("a", "an", "one", "per", "each", "every"))
+
+
+def _given_units(p: Profile) -> set[str]:
+    """The units of a prompt that come as an amount: after a number, "a", "one" or "per" ("in a liter")."""
+    words = p.text.split()
+    return {
+        UNITS[w]
+        for i, w in enumerate(words)
+        if w in UNITS and i > 0 and (words[i - 1] in _AMOUNT_WORDS or words[i - 1][0].isdigit())
+    }
 
 
 def _affixed(a: Profile, b: Profile) -> bool:
     return lexicon.affix_negated(a.words - b.words, b.words) or lexicon.affix_negated(b.words - a.words, a.words)
+
+
+_PARTICLES = {"on": "off", "off": "on", "in": "out", "out": "in", "up": "down", "down": "up"}
+
+
+def _particle_reversed(a: Profile, b: Profile) -> bool:
+    """Whether one word takes a particle on one side and the opposite particle on the other ("how do I turn off
+    autocorrect" / "how do I turn on autocorrect"), whatever else either side holds."""
+    pa, pb = a.particles, b.particles
+    return any((w, _PARTICLES[p]) in pb - pa for w, p in pa - pb)
 
 
 def _antonyms(a: Profile, b: Profile) -> bool:
@@ -184,6 +211,42 @@ def _antonyms(a: Profile, b: Profile) -> bool:
 
 def _numbers_reordered(a: Profile, b: Profile) -> bool:
     return len(a.numbers) > 1 and a.numbers != b.numbers and sorted(a.numbers) == sorted(b.numbers)
+
+
+def _owners_differ(a: Profile, b: Profile) -> bool:
+    """Whether one thing has another owner on each side, one of them named ("my roommate's insurance covers my
+    belongings" / "my insurance covers my roommate's belongings"): whose it is changes the answer. Any pronoun is
+    the asker's, "my" and "your" alike, so only a named owner against another owner counts."""
+    owners_b = dict(b.owners)
+    for owned, owner in a.owners:
+        other = owners_b.get(owned)
+        if other is not None and other != owner and ("*" in (owner, other) or not _same_name(owner, other)):
+            return True
+    return False
+
+
+def _languages_differ(a: Profile, b: Profile) -> bool:
+    """Another language, or the same two with the other asked for ("in Spanish if I speak English" / "as a
+    Spanish speaker, ... in English")."""
+    if a.languages != b.languages:
+        return True
+    return bool(a.target_languages and b.target_languages and a.target_languages != b.target_languages)
+
+
+def _one_edit(a: Profile, b: Profile) -> bool:
+    """Whether the two prompts read the same but for one place where a word or two were replaced ("How do I make
+    green tea?" / "How do I make black tea?"), articles aside. A paraphrase recasts the rest as well ("Where does
+    X come from?" / "What is the origin of X?"): its one differing content word is then no swap."""
+    x = [w for w in a.text.split() if w not in _ARTICLES]
+    y = [w for w in b.text.split() if w not in _ARTICLES]
+    edits = [op for op in SequenceMatcher(None, x, y, autojunk=False).get_opcodes() if op[0] != "equal"]
+    if len(edits) != 1:
+        return False
+    kind, i1, i2, j1, j2 = edits[0]
+    return kind == "replace" and i2 - i1 <= 2 and j2 - j1 <= 2
+
+
+_ARTICLES = frozenset(("a", "an", "the"))
 
 
 def _scoped(a: Profile, b: Profile) -> bool:
@@ -195,19 +258,20 @@ Check = Callable[[Profile, Profile], bool]
 CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("quoted", "quoted", lambda a, b: _quoted_missing(a, b) or _quoted_missing(b, a)),
     ("code", "code", lambda a, b: _code_missing(a, b) or _code_missing(b, a)),
-    ("language", "language", lambda a, b: a.languages != b.languages),
+    ("language", "language", _languages_differ),
     ("date", "date", lambda a, b: a.dates != b.dates),
     ("number", "number", lambda a, b: set(a.numbers) != set(b.numbers)),
     ("unit", "unit", _units_differ),
     ("negation", "negation", lambda a, b: a.negated != b.negated),
     ("affix", "negation", _affixed),
     ("entity", "entity", _entities_differ),
-    ("direction word", "order", _opposed),
+    ("direction word", "order", lambda a, b: _opposed(a, b) or _particle_reversed(a, b)),
     ("antonym", "antonym", _antonyms),
     ("numbers reordered", "order", _numbers_reordered),
     ("relation sides", "order", lambda a, b: marker_swapped(a, b) or marker_swapped(b, a)),
     ("source and target", "order", ends_crossed),
     ("roles", "order", roles_swapped),
+    ("owners", "order", _owners_differ),
     ("scope word", "scope", _scoped),
     ("instruction", "scope", lambda a, b: a.instructions != b.instructions),
 )

@@ -8,7 +8,8 @@ So a request splits in two:
   message as `role: content` lines, for deployments that want whole short dialogues to match. For the
   completions endpoint, the prompt.
 - the **partition**: the sha256 of the canonical JSON of everything else that changes the answer: the endpoint,
-  every request field but the transport-only ones (`stream`, `stream_options`, `user`, `metadata`, `store`),
+  every request field but the transport-only ones (`stream`, `stream_options`, `user`, `metadata`, `store`,
+  `prompt_cache_key`, `safety_identifier`),
   with the embedded text cut out of the messages (so the system prompt, earlier turns, tools, response format
   and sampling parameters all count), the embedding model and the embedding mode. Tenant and model are kept
   beside it in clear, so that a store can filter on them and `sluice cache purge --tenant` can find a tenant's
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from gateway.context import Exchange
 
 EmbedMode = Literal["last_user", "conversation"]
-TRANSPORT_ONLY = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+TRANSPORT_ONLY = frozenset(
+    {"stream", "stream_options", "user", "metadata", "store", "prompt_cache_key", "safety_identifier"}
+)
 ENDPOINTS = frozenset({"chat/completions", "completions", "responses"})
 # A Responses request may be stored and read back by its id: `store` changes what the answer is (as in the exact
 # cache), so it stays in the partition.

@@ -80,11 +80,19 @@ def _lemma_table() -> tuple[dict[str, str], dict[str, frozenset[str]]]:
 LEMMA, OPPOSITE = _lemma_table()
 
 
+# Adverbs in -ly whose sense left their adjective's: "hardly" is not "hard", "shortly" not "short".
+_ADVERBS_OF_OTHER_SENSE = frozenset(_words("hardly nearly shortly lately barely fairly highly justly"))
+
+
 def lemma(word: str) -> str:
     """The base form of an adjective or word of the antonym list ("poorest" -> "poor", "weaknesses" ->
     "weakness"), else the word."""
     if word in LEMMA:
         return LEMMA[word]
+    if word.endswith("ly") and word not in _ADVERBS_OF_OTHER_SENSE:  # "quietly" / "louder": the same scale
+        base = word[:-3] + "y" if word.endswith("ily") else word[:-2]
+        if base in LEMMA:
+            return LEMMA[base]
     for plural in ("es", "s"):
         if word.endswith(plural) and word[: -len(plural)] in LEMMA:
             return LEMMA[word[: -len(plural)]]
@@ -118,10 +126,12 @@ _INSTRUCTIONS = {
     r"|succinct(?:ly)?|quick summary|tl;?dr"
     r"|in (?:a|one|1|two|2|three|3|few|a few|a couple of|\d+)(?: single| short| brief)? (?:words?|sentences?|lines?)"
     r"|one[- ]liner"
-    r"|(?:under|fewer than|less than|at most|max(?:imum)?) \w+ words|in a nutshell",
+    r"|(?:under|fewer than|less than|at most|max(?:imum)?) \w+ words|in a nutshell"
+    r"|(?:write|draft|compose|give|tell|make|create)(?: me| us)? an? (?:very |really )?(?:short|brief|shorter)",
     "detail": r"in (?:great |full |more |much )?detail|detailed|thorough(?:ly)?|in depth|in-depth|at length"
-    r"|comprehensive(?:ly)?|elaborate|exhaustive(?:ly)?|long answer|full explanation|everything about",
-    "steps": r"step[- ]by[- ]step|walk me through",
+    r"|comprehensive(?:ly)?|elaborate|exhaustive(?:ly)?|long answer|full explanation|everything about"
+    r"|(?:write|draft|compose|give|tell|make|create)(?: me| us)? an? (?:very |really )?(?:long|lengthy|longer)",
+    "steps": r"step[- ]by[- ]step|walk me through|(?P<unit>[a-z]+) by (?P=unit)",  # "chapter by chapter"
     "examples": r"with (?:an |some |a few )?examples?",
     "simple": r"like i'?m (?:five|5|a child|a kid)|eli5|simple terms|for (?:a )?(?:beginners?|kids?|children)"
     r"|layman'?s? terms|plain (?:english|language)",
@@ -212,11 +222,16 @@ _SHORTHAND = {
     "w/o": "without",
     "w/": "with",
 }
+# "how 2 tune", "what 2 wear": a "2" between a word that takes an infinitive and a word is "to".
+_TWO_AS_TO = re.compile(
+    r"\b(how|what|where|when|who|which|want|need|going|have|has|got|able|ought|used|try) 2 (?=[a-z])", re.IGNORECASE
+)
 _SHORT = re.compile(r"(?<![\w/])(w/o|w/|[a-z0-9]+)(?![\w/'])", re.IGNORECASE)
 
 
 def spell_out(text: str) -> str:
     """The prompt with chat shorthand spelled out ("can u help w/o a car" -> "can you help without a car")."""
+    text = _TWO_AS_TO.sub(r"\1 to ", text)
     if not _SHORT.search(text):
         return text
 

@@ -68,6 +68,7 @@ _CODE = re.compile(
     r"|(?<![\w.])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?"  # dotted (os.path.join, node.js)
     r"|(?<![\w.])[A-Za-z_]\w*\(\)"  # call()
     r"|(?<![\w-])--?[A-Za-z][\w-]*"  # --flag, -l
+    r"|(?<![\w=])=[A-Za-z][A-Za-z0-9.]*"  # a spreadsheet function, =SUMIF
 )
 _ACRONYM = re.compile(r"^[A-Z][A-Z0-9&]+s?$")
 
@@ -127,6 +128,9 @@ class Profile:
     instructions: frozenset[str] = frozenset()  # kinds of length, depth or format instruction (lexicon.py)
     subject: str = ""  # the subject of a question ("does caffeine affect ..."), as its content stem, or ""
     passive: bool = False  # a passive verb with its agent ("be replaced by X"): its words' order reads reversed
+    target_languages: frozenset[str] = frozenset()  # a language after "in" or "into": the one asked for
+    owners: tuple[tuple[str, str], ...] = ()  # (what is owned, its owner): "roommate's insurance", "my debts"
+    particles: frozenset[tuple[str, str]] = frozenset()  # a word and the particle after it: ("turn", "off")
 
 
 # A passive verb with its agent: a form of "be" or "get", a participle ("-ed", "-en", or an irregular one) and
@@ -146,6 +150,8 @@ _LANGUAGE_AFTER = frozenset(
 OPEN_MEASURE = re.compile(r"\bhow (?:long|far|much|many|big|heavy|fast|tall|old|hot|cold|often)\b")
 OPEN_MEASURES = frozenset(_words("long far much big heavy fast tall old hot cold often"))
 _STEM_SYNONYM: dict[str, str] = {}
+# A word pointing at a period from now: "this weekend" and "next weekend" are other days, "coming" is "next".
+_DEICTIC = {"this": "this ", "next": "next ", "coming": "next ", "last": "last ", "past": "last ", "previous": "last "}
 
 
 def canonical(s: str) -> str:
@@ -229,6 +235,7 @@ class _Reader:
     dates: set[str] = field(default_factory=set)
     units: set[str] = field(default_factory=set)
     languages: set[str] = field(default_factory=set)
+    target_languages: set[str] = field(default_factory=set)
     entities: set[str] = field(default_factory=set)
     scope: set[str] = field(default_factory=set)
     quantifiers: set[str] = field(default_factory=set)
@@ -303,13 +310,21 @@ class _Reader:
             named = before in _LANGUAGE_BEFORE or after in _LANGUAGE_AFTER
         if w in LANGUAGES and named and not (w == "c" and is_number):  # "20 C" is a temperature
             self.languages.add(LANGUAGES[w])
+            # "Say it in Spanish", "put it into Brazilian Portuguese": the language asked for; "into" says it
+            # over an "in" of the same prompt ("written in German, into French"), which then names the source.
+            at = i - 1 if before in ("in", "into") else i - 2
+            if at >= 0 and self.words[at] in ("in", "into") and (at == i - 1 or self.tokens[i - 1].capitalised):
+                self.target_languages.add(("into " if self.words[at] == "into" else "") + LANGUAGES[w])
             self._keep(LANGUAGES[w], token)
             return True
         if w in MONTHS and (w != "may" or token.capitalised):
             self.dates.add(f"month{MONTHS[w]}")
             return True
         if w in WEEKDAYS or w in DATE_WORDS or (w in _AMBIGUOUS_SEASONS and before in _SEASON_CUES):
-            self.dates.add(w)
+            self.dates.add(_DEICTIC.get(before, "") + w)
+            return True
+        if w in PERIODS and before in _DEICTIC:
+            self.dates.add(_DEICTIC[before] + w)  # "this week" / "next week": which one, not how often
             return True
         if w in NEGATIONS:
             self.negated = True
@@ -353,6 +368,36 @@ def _runs(tokens: list[Token]) -> tuple[tuple[str, frozenset[str]], ...]:
     return tuple(runs)
 
 
+# An owner before what it owns: a possessive pronoun (any person: "my" and "your" ask alike) or a noun with "'s".
+_OWNER = re.compile(r"\b(my|our|your|his|their|its|[a-z]+'s|[a-z]+s')\s+(?=([a-z]+))")
+_NOT_OWNERS = frozenset(_words("it's that's what's there's here's who's where's how's let's he's she's when's why's"))
+
+
+def _owners(lower_text: str) -> tuple[tuple[str, str], ...]:
+    """Who owns what: ("insur", "roommate") for "my roommate's insurance", ("debt", "*") for "my debts"."""
+    owners: list[tuple[str, str]] = []
+    for match in _OWNER.finditer(lower_text.replace("\u2019", "'")):
+        owner, owned = match.groups()
+        if owner in _NOT_OWNERS or owned in STOP_WORDS:
+            continue
+        name = "*" if "'" not in owner else canonical(stem(owner.split("'")[0]))
+        owners.append((canonical(stem(owned)), name))
+    return tuple(owners)
+
+
+# Particles of a phrasal verb that reverse it: "turn on" / "turn off", "log in" / "log out", "scale up" / "down".
+_PARTICLES = frozenset(_words("on off in out up down"))
+
+
+def _particles(words: list[str]) -> frozenset[tuple[str, str]]:
+    return frozenset((w, words[i + 1]) for i, w in enumerate(words[:-1]) if words[i + 1] in _PARTICLES)
+
+
+def _asked_for(languages: set[str]) -> frozenset[str]:
+    into = {w[5:] for w in languages if w.startswith("into ")}
+    return frozenset(into or languages)
+
+
 def _numeric_word(w: str) -> bool:
     return w[:1].isdigit() or w in NUMBER_WORDS or w in MULTIPLIERS or w in ORDINALS
 
@@ -374,8 +419,9 @@ def profile(text: str) -> Profile:
     numbers = sorted([*reader.numbers, *word_numbers])
     quoted = tuple(normal_text(next(g for g in m.groups() if g is not None)) for m in _QUOTED.finditer(text))
     code = frozenset(m.group(1 if m.group(1) is not None else 0).strip().lower() for m in _CODE.finditer(text))
+    normal = normal_text(text)
     return Profile(
-        text=f" {normal_text(text)} ",
+        text=f" {normal} ",
         content=tuple(reader.content),
         clauses=tuple(reader.clauses),
         stems=frozenset(stem(w) for w in words),
@@ -394,6 +440,9 @@ def profile(text: str) -> Profile:
         instructions=told,
         subject=_subject(tokens),
         passive=bool(_PASSIVE.search(text.lower())),
+        owners=_owners(text.lower()),
+        particles=_particles(normal.split()),
+        target_languages=_asked_for(reader.target_languages),
     )
 
 

@@ -75,6 +75,17 @@ def _side(content: tuple[str, ...], clauses: tuple[int, ...], i: int, step: int,
     return found
 
 
+# Verbs of exchange, as written (some are stop words, absent from the content).
+_TRADE_VERBS = frozenset(
+    ["get", "gets", "got", "buy", "buys", "sell", "sells", "trade", "swap", "exchange", "pay", "receive"]
+)
+
+
+def _traded(a: Profile) -> bool:
+    """Whether a "for" may say what is given in exchange: the prompt has a verb of exchange ("get X for Y")."""
+    return bool(_TRADE_VERBS & a.words)
+
+
 def _ends(a: Profile) -> tuple[set[str], set[str]]:
     """What a prompt names as the source and as the target of a movement or a change: the words after "from" and
     after "to" ("into", "towards"); with only one of the two in a clause, the words before it are the other end
@@ -82,6 +93,8 @@ def _ends(a: Profile) -> tuple[set[str], set[str]]:
     sources: set[str] = set()
     targets: set[str] = set()
     for i, w in enumerate(a.content):
+        if w == "<for>" and _traded(a):
+            w = "<from>"  # "how many yen do I get for my pounds": what is given for the other is its source
         if w not in ("<from>", "<to>"):
             continue
         here, there = (sources, targets) if w == "<from>" else (targets, sources)

@@ -138,30 +138,39 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
     assert by_kind["order"]["hit_rate_guarded"] == 0.0
 
 
-# The rule-made sets (tools/semantic_pairs.py) at the default threshold, 0.85. "transformed" was tuned on;
-# "transformed-holdout" was run once and then informed one round of changes; "transformed-late" was frozen
-# before that round and never tuned on: its figure is the one a user should expect on unseen traffic. The
-# bounds are the measured figures with a little room, so that a rule change that costs accuracy fails here.
+# The rule-made sets (tools/semantic_pairs.py) and the hand-written natural sets at the default threshold, 0.80.
+# "transformed" and "natural" were tuned on; "transformed-holdout" was run once and then informed one round of
+# changes; "transformed-late" was frozen before that round; "natural-sealed" was frozen before any change and only
+# ever read in total: its figure is the one a user should expect on unseen traffic. The bounds are the measured
+# figures with a little room, so that a rule change that costs accuracy fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
-    [("transformed", 0.02, 0.50), ("transformed-holdout", 0.05, 0.50), ("transformed-late", 0.07, 0.55)],
+    [
+        ("transformed", 0.02, 0.70),
+        ("transformed-holdout", 0.02, 0.65),
+        ("transformed-late", 0.07, 0.70),
+        ("natural", 0.02, 0.55),
+        ("natural-sealed", 0.06, 0.50),
+    ],
 )
-def test_the_rule_made_sets_at_the_default_threshold(
+def test_the_held_out_sets_at_the_default_threshold(
     name: str, max_fhr: float, min_recall: float, shared_embedder: EmbeddingServer
 ) -> None:
     done = sluice(
         "cache", "evaluate", name, "--url", shared_embedder.base_url, "--model", MODEL_NAME, "--json",
-        "--threshold", "0.85",
+        "--threshold", "0.80",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    at = next(p for p in report["curve_guarded"] if p["threshold"] == 0.85)
+    at = next(p for p in report["curve_guarded"] if p["threshold"] == 0.80)
     assert at["false_hit_rate"] <= max_fhr
     assert at["recall"] >= min_recall
-    plain = next(p for p in report["curve"] if p["threshold"] == 0.85)
+    plain = next(p for p in report["curve"] if p["threshold"] == 0.80)
     assert plain["false_hit_rate"] > 0.30  # the cosine alone lets a third of the look-alikes through, or more
+    assert report["kinds_at"] == 0.80
+    if name.startswith("natural"):
+        return
     kinds = {k["kind"]: k for k in report["kinds"]}
-    assert report["kinds_at"] == 0.85
     for kind in ("scope", "affix", "negation", "antonym", "quantity"):
         assert kinds[kind]["hit_rate_guarded"] == 0.0, kind
     # Near misses and the guards' verdicts are counted for every kind.

@@ -47,6 +47,7 @@ def test_the_last_user_message_is_embedded_and_the_rest_is_the_partition() -> No
     assert other.partition == plain.partition
     # Transport-only fields do not move the partition.
     assert lookup(exchange(temperature=0, stream=True, user="u1", metadata={"a": "b"})).partition == plain.partition
+    assert lookup(exchange(temperature=0, prompt_cache_key="conv-1")).partition == plain.partition
 
 
 @pytest.mark.parametrize(
@@ -321,7 +322,7 @@ def test_a_valid_config_caches_every_model_but_the_embedding_model() -> None:
     settings = parse_config(text, "<test>")
     plugin = SemanticCache(settings.plugin_config("semantic_cache"), settings)
     assert set(plugin.policies) == {"chat"}
-    assert plugin.policies["chat"].threshold == 0.85
+    assert plugin.policies["chat"].threshold == 0.80
     assert plugin.policies["chat"].deadline_s == 0.1
 
 

@@ -90,10 +90,51 @@ def test_strict_guards_veto_a_one_word_substitution(a: str, b: str) -> None:
 
 
 def test_a_synonym_swapped_alone_is_the_price_of_strict_mode() -> None:
-    # One content word changed, the rest kept: strict mode cannot tell a synonym from a look-alike.
-    a, b = "What's the flight time from London to Paris?", "How long is the flight to Paris from London?"
+    # One word replaced and every other word kept: strict mode cannot tell a synonym from a look-alike.
+    a, b = "What is a typical cost of a home inspection?", "What is the usual cost of a home inspection?"
     assert veto(a, b) == "substitution"
     assert veto(a, b, strict=False) is None
+
+
+def test_a_recast_sentence_with_one_other_content_word_is_no_substitution() -> None:
+    # The rest of the sentence recast as well: a paraphrase, whose one differing content word is no swap.
+    assert veto("What's the flight time from London to Paris?", "How long is the flight to Paris from London?") is None
+    assert veto("Where does the word 'quarantine' come from?", "What is the origin of the word 'quarantine'?") is None
+    assert veto("How do I make green tea?", "How do I make black tea?") == "substitution"
+
+
+def test_whose_thing_it_is() -> None:
+    assert veto("Do I inherit my parents' debts?", "Do my parents inherit my debts?") == "order"
+    assert veto("Does my insurance cover my roommate's car?", "Does my roommate's insurance cover my car?") == "order"
+    assert veto("How do I fix my bike chain?", "How do you fix your bike chain?") is None
+
+
+def test_the_language_asked_for_and_a_phrasal_particle() -> None:
+    a, b = (
+        "How do I say thank you in Italian if I speak Korean?",
+        "As an Italian speaker, how do I say thank you in Korean?",
+    )
+    assert veto(a, b) == "language"
+    assert veto("Translate this from German into French", "Put this, written in German, into French") is None
+    assert veto("How do I turn off dark mode on iOS?", "How do I turn on dark mode on iOS?") == "order"
+    # What is given "for" the other is its source: the first asks for pounds, the second for yen.
+    assert veto("How many pounds do I get for my yen?", "What is the exchange rate from pounds to yen?") == "order"
+    assert veto("How many yen do I get for my pounds?", "What is the exchange rate from pounds to yen?") is None
+
+
+def test_which_weekend_and_a_requested_length() -> None:
+    assert veto("What films open this weekend?", "What films open next weekend?") == "date"
+    assert veto("Write a poem for my aunt.", "Write a short poem for my aunt.") == "scope"
+    assert veto("Explain the war.", "Explain the war year by year.") == "scope"
+    assert veto("How do I talk louder?", "How do I talk more quietly?") == "antonym"
+    assert veto("What does =VLOOKUP do?", "What does =HLOOKUP do?") == "code"
+    assert veto("How do I tune a harp?", "how 2 tune a harp") is None
+
+
+def test_a_unit_given_as_an_amount_is_not_the_unit_asked_for() -> None:
+    assert veto("How much sugar is in a cup of cola?", "What is the sugar content of a liter of cola?") == "unit"
+    assert veto("How far can I cycle in an hour?", "How many miles can I cycle in an hour?") is None
+    assert veto("How long is the drive from Lyon to Nice?", "How many hours is the drive from Lyon to Nice?") is None
 
 
 def test_a_prompt_never_vetoes_itself() -> None:

@@ -7,8 +7,8 @@ C extensions, and fails, saying why, where it cannot. Next to them it writes gat
 of each compiled source: `gateway/__init__.py` reads it at import and, where a source no longer matches what was
 compiled (edited since the install), or with SLUICE_PURE=1 at run time, imports every one of these modules from
 its source instead, warning loudly in the first case (docs/architecture.md, "The compiled hot path"). The
-compiled build is opt-in until its one known defect is understood (the Messages and admission configurations
-fail under callgrind when compiled; docs/benchmarks.md).
+compiled build is opt-in (an install must work without a C compiler); the test suite builds it once per set of
+sources outside the checkout and tests it beside the pure install (tests/support/compiled.py).
 """
 
 from __future__ import annotations

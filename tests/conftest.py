@@ -11,6 +11,7 @@ import openai
 import pytest
 import redis
 
+from tests.support import compiled
 from tests.support.embedder import EmbeddingServer, MiniLM
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.llamacpp import announcement
@@ -28,9 +29,9 @@ limits: {max_body_bytes: 65536}
 
 
 def pytest_report_header() -> list[str]:
-    """Said as the run starts: a first run builds llama-server, which takes minutes with nothing else printed."""
-    line = announcement()
-    return [line] if line else []
+    """Said as the run starts: a first run builds llama-server and the compiled request path, which take minutes
+    with nothing else printed."""
+    return [line for line in (announcement(), compiled.announcement()) if line]
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,13 @@ due now (one script). A watch that comes due means nobody replaced it: the insta
 job. Ended: it sends the job's event. Still running on a live owner: it looks again a lease later. Owner
 gone: the job is marked failed as a read would mark it, and its event is sent. Record gone (deleted or
 expired): there is no event to send, and the log says so.
+
+When Redis is slow or down, no delivery is claimed (the poll finds nothing due) and a job's end retries storing
+its event for about 9 s, then leaves it to the watch; nothing pending is lost, and delivery resumes when Redis
+answers. A Redis restarted without its data (no persistence) has lost every pending delivery and watch with
+the jobs themselves: that cannot be undone from here, but it is not silent. The set holds a marker that is
+never due; the first claim of an instance that had seen it and finds it gone logs an error naming what was
+lost. Jobs that end after the restart send their events as before.
 """
 
 from __future__ import annotations
@@ -60,12 +67,21 @@ PENDING = "sluice:bg:webhooks"
 DEAD = "sluice:bg:webhooks:dead"
 POLL_S = 0.5
 BATCH = 32
-# Keys: pending. Args: now_ms, claimed_until_ms, count. The due deliveries, each claimed until the given time.
+# A member of the pending set that is never due (scored +inf): its absence tells a claim that the set was lost with
+# Redis's data (a restart without persistence, a flush), since the instances last claimed.
+MARKER = b"marker"
+# Keys: pending. Args: now_ms, claimed_until_ms, count. The due deliveries, each claimed until the given time, after
+# 1 where the marker had to be put back (the set is new, or was lost since), else 0.
 CLAIM = Script(
     """
+local fresh = 0
+if not redis.call('ZSCORE', KEYS[1], 'marker') then
+  redis.call('ZADD', KEYS[1], '+inf', 'marker')
+  fresh = 1
+end
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
 for _, member in ipairs(due) do redis.call('ZADD', KEYS[1], ARGV[2], member) end
-return due
+return {fresh, due}
 """
 )
 # Keys: pending. Args: a job's watch, its event, due_ms. The job ended: its event replaces its watch.
@@ -134,7 +150,10 @@ class Receiver:
 class Pending(Protocol):
     async def add(self, member: bytes, due_ms: int) -> None: ...
     async def swap(self, old: bytes, new: bytes, due_ms: int) -> None: ...
-    async def claim(self, now_ms: int, until_ms: int) -> list[bytes]: ...
+    async def claim(self, now_ms: int, until_ms: int) -> tuple[bool, list[bytes]]:
+        """The deliveries due, each claimed until `until_ms`, after whether the set had lost its marker."""
+        ...
+
     async def done(self, member: bytes) -> None: ...
     async def retry(self, member: bytes, again: bytes, due_ms: int) -> None: ...
     async def dead(self, member: bytes) -> None: ...
@@ -150,9 +169,9 @@ class RedisPending:
     async def swap(self, old: bytes, new: bytes, due_ms: int) -> None:
         await self.store.run(SWAP, [PENDING], [old, new, due_ms])
 
-    async def claim(self, now_ms: int, until_ms: int) -> list[bytes]:
-        found = await self.store.run(CLAIM, [PENDING], [now_ms, until_ms, BATCH])
-        return list(found or [])
+    async def claim(self, now_ms: int, until_ms: int) -> tuple[bool, list[bytes]]:
+        fresh, found = await self.store.run(CLAIM, [PENDING], [now_ms, until_ms, BATCH])
+        return fresh == 1, list(found or [])
 
     async def done(self, member: bytes) -> None:
         await self.store.execute("ZREM", PENDING, member)
@@ -175,11 +194,11 @@ class MemoryPending:
         self.due.pop(old, None)
         self.due[new] = due_ms
 
-    async def claim(self, now_ms: int, until_ms: int) -> list[bytes]:
+    async def claim(self, now_ms: int, until_ms: int) -> tuple[bool, list[bytes]]:
         found = [m for m, due in self.due.items() if due <= now_ms][:BATCH]
         for member in found:
             self.due[member] = until_ms
-        return found
+        return False, found  # it lives as long as this process: never lost under it
 
     async def done(self, member: bytes) -> None:
         self.due.pop(member, None)
@@ -216,6 +235,8 @@ class Webhooks:
         self.task: asyncio.Task[None] | None = None
         self.delivered = 0
         self.failed = 0
+        self.marked = False  # a claim has seen (or put) the pending set's marker in this process's life
+        self.lost_sets = 0  # times a claim found the set without its marker after that
 
     def receiver(self, tenant: str) -> Receiver | None:
         """Where `tenant`'s events go, and how they are signed and retried (None: nowhere)."""
@@ -259,9 +280,16 @@ class Webhooks:
         while True:
             try:
                 now = _now_ms()
-                due = await self.pending.claim(now, now + self.claim_ms)
+                fresh, due = await self.pending.claim(now, now + self.claim_ms)
             except StoreUnavailable:
-                due = []
+                fresh, due = False, []
+            else:
+                if fresh and self.marked:  # this process saw the marker, and the set has lost it since
+                    self.lost_sets += 1
+                    log.error("webhooks: Redis lost the pending deliveries (%s had lost its marker: a restart without "
+                              "persistence, or a flush); events and watches pending then are not sent",
+                              PENDING)  # fmt: skip
+                self.marked = True
             if due:
                 await asyncio.gather(*(self._post(member) for member in due))
                 continue

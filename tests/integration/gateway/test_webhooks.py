@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import hmac
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import redis
 
 from plugins.auth.keys import new_key
 from tests.support.gateway import RunningGateway, gateway_process, gateway_thread
@@ -84,6 +86,11 @@ background:
   webhook: {{url: "{url}", secret: "{SECRET}", first_retry_s: {retry_s}, max_retry_s: {retry_s * 4}, timeout_s: 2}}
 {extra}
 """
+
+
+def pending(client: redis.Redis) -> int:
+    """The deliveries and watches pending in Redis (the set's marker, never due, left out)."""
+    return int(client.zcount("sluice:bg:webhooks", "-inf", "(+inf"))
 
 
 def verified(headers: dict[str, str], body: bytes, secret: str = SECRET) -> bool:
@@ -180,14 +187,14 @@ redis: {{url: "{redis_server.url}"}}
 """
     with redis_server.client() as client, gateway_process(text, tmp_path) as first:
         ident = start_job(first)
-        wait_until(lambda: client.zcard("sluice:bg:webhooks") == 1, timeout=10, what="the job's watch")
+        wait_until(lambda: pending(client) == 1, timeout=10, what="the job's watch")
         assert first.proc is not None
         first.proc.kill()
         first.proc.wait(10)
         assert receiver.got == []
         with gateway_process(text, tmp_path):
             wait_until(receiver.delivered, timeout=30, what="the event, sent by the second instance")
-            wait_until(lambda: client.zcard("sluice:bg:webhooks") == 0, timeout=10, what="the delivery removed")
+            wait_until(lambda: pending(client) == 0, timeout=10, what="the delivery removed")
         headers, body, _ = receiver.delivered()[0]
         assert verified(headers, body)
         event = orjson.loads(body)
@@ -221,3 +228,47 @@ plugins: [auth]
         assert not verified(headers, body)  # not with the default secret: with acme's own
         assert verified(headers, body, own_secret)
         assert [orjson.loads(b)["data"]["tenant"] for _, b, _ in own.got] == ["acme"]  # nobody else's
+
+
+def test_a_job_that_ends_while_redis_is_stalled_sends_its_event_once_redis_answers(
+    receiver: Receiver, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    text = config(receiver.url, f'redis: {{url: "{redis_server.url}"}}')
+    text = text.replace("tpot_ms: 1, tokens: 4", "tpot_ms: 50, tokens: 20")
+    with redis_server.client() as client, gateway_process(text, tmp_path) as gw:
+        ident = start_job(gw)  # a second of generation
+        wait_until(lambda: pending(client) == 1, timeout=10, what="the job's watch")
+        redis_server.pause()
+        try:  # the fault itself: Redis answers nothing for 2 s, while the job ends
+            time.sleep(2.0)
+        finally:
+            redis_server.resume()
+        wait_until(receiver.delivered, timeout=30, what="the event, once Redis answers")
+        wait_until(lambda: pending(client) == 0, timeout=10, what="the delivery removed")
+        assert "kept until the store takes them" in gw.log_text()  # the stall did cost the job its writes
+    events = [orjson.loads(body) for _, body, _ in receiver.delivered()]
+    assert {event["id"] for event in events} == {events[0]["id"]}  # one event, however often it came
+    assert (events[0]["type"], events[0]["data"]["id"]) == ("background.completed", ident)
+    assert all(verified(headers, body) for headers, body, _ in receiver.got)
+
+
+def test_redis_restarted_empty_loses_pending_deliveries_loudly_and_later_jobs_still_send_theirs(
+    receiver: Receiver, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    receiver.failing = True
+    text = config(receiver.url, f'redis: {{url: "{redis_server.url}"}}', retry_s=1.0)
+    with redis_server.client() as client, gateway_process(text, tmp_path) as gw:
+        lost = start_job(gw)
+        wait_until(lambda: receiver.got, timeout=10, what="the first attempt")
+        assert pending(client) == 1  # its next attempt, pending in Redis
+        redis_server.stop()
+        redis_server.start()  # empty: the delivery pending there is gone
+        line = "Redis lost the pending deliveries"
+        wait_until(lambda: line in gw.log_text(), timeout=30, what="the loss reported")
+        assert gw.log_text().count(line) == 1
+        receiver.failing = False
+        kept = start_job(gw)
+        wait_until(receiver.delivered, timeout=30, what="the next job's event")
+    delivered = [orjson.loads(body)["data"]["id"] for _, body, _ in receiver.delivered()]
+    assert delivered == [kept]
+    assert {orjson.loads(body)["data"]["id"] for _, body, _ in receiver.got} == {lost, kept}

@@ -42,6 +42,7 @@ BUNDLED = (
     ("transformed-late", "rule-made from later seeds; frozen before the last changes, never tuned on"),
     ("natural", "hand-written everyday requests in other domains; frozen, measured, then tuned on"),
     ("natural-sealed", "the other half of the natural pairs; frozen, only ever read in total, never tuned on"),
+    ("forms", "hand-written look-alikes of scope, form and roles, written to probe the rules; tuned on"),
 )
 THRESHOLDS = tuple(round(0.70 + i / 100, 2) for i in range(30))  # 0.70 .. 0.99
 TARGET_FHR = 0.02

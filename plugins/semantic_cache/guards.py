@@ -249,6 +249,20 @@ def _one_edit(a: Profile, b: Profile) -> bool:
 _ARTICLES = frozenset(("a", "an", "the"))
 
 
+def _added(a: Profile, b: Profile) -> bool:
+    """Whether one request is the other with words appended that hold content ("Explain recursion." / "Explain
+    recursion with code.", "... for an expert audience", "...? Short and sweet."): a tail asks for another
+    audience, another form of answer or a narrower topic. Courtesies ("... to me", "... please") hold none, and a
+    paraphrase recasts the request rather than extending it."""
+    x = [w for w in a.text.split() if w not in _ARTICLES]
+    y = [w for w in b.text.split() if w not in _ARTICLES]
+    if len(x) > len(y):
+        x, y, b = y, x, a
+    if len(x) == len(y) or not x or y[: len(x)] != x:
+        return False
+    return any(stem(w) in b.content and stem(w) not in _FRAMING for w in y[len(x) :])
+
+
 def _scoped(a: Profile, b: Profile) -> bool:
     return a.scope != b.scope or bool(a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers)
 
@@ -274,6 +288,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("owners", "order", _owners_differ),
     ("scope word", "scope", _scoped),
     ("instruction", "scope", lambda a, b: a.instructions != b.instructions),
+    ("added words", "scope", _added),
 )
 SUBSTITUTION: tuple[str, str, Check] = ("substitution", "substitution", _substituted)
 

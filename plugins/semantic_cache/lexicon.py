@@ -124,8 +124,9 @@ def affix_negated(only_a: AbstractSet[str], words_b: AbstractSet[str]) -> bool:
 _INSTRUCTIONS = {
     "brief": r"briefly|brief|concise(?:ly)?|keep it short|short (?:answer|version|summary|explanation)|in short"
     r"|succinct(?:ly)?|quick summary|tl;?dr"
-    r"|in (?:a|one|1|two|2|three|3|few|a few|a couple of|\d+)(?: single| short| brief)? (?:words?|sentences?|lines?)"
-    r"|one[- ]liner"
+    r"|(?:in|to|within|into|using|under) (?:a|one|1|two|2|three|3|few|a few|a couple of|\d+)(?: single| short| brief)?"
+    r" (?:words?|sentences?|lines?)"
+    r"|one[- ]liner|the gist|at a high level"
     r"|(?:under|fewer than|less than|at most|max(?:imum)?) \w+ words|in a nutshell"
     r"|(?:write|draft|compose|give|tell|make|create)(?: me| us)? an? (?:very |really )?(?:short|brief|shorter)",
     "detail": r"in (?:great |full |more |much )?detail|detailed|thorough(?:ly)?|in depth|in-depth|at length"
@@ -140,15 +141,35 @@ _INSTRUCTIONS = {
     "explained": r"(?:with|and) (?:an |a full |the )?(?:explanation|reasoning|proof|working)|show (?:your|the) work"
     r"|explain why|and why",
     "format": r"bullet(?:ed)? (?:points?|list)|bullets|numbered list|in a table|as a table|as a list"
-    r"|in (?:a|one|single|two|three|\d+) (?:short )?paragraphs?"
-    r"|in json|as json|in markdown|an essay|a poem|a haiku|a tweet",
+    r"|(?:in|to|within|into|as) (?:a|one|single|two|three|\d+) (?:short |brief |single )?paragraphs?"
+    r"|in json|as json|in markdown|an essay|a poem|a haiku|a tweet|a limerick"
+    r"|as an? (?:outline|checklist|story|song|letter|email|script|dialogue|faq)",
+    # A further task joined to the request ("... and explain the grammar"), or a sentence after it that shapes the
+    # answer ("... ? Include the equation."): the answer to the request alone does not carry it.
+    "added": r"(?:and|then|also|plus) (?:also |then )?(?:explain|describe|list|include|give|compare|summari[sz]e"
+    r"|define|discuss|mention|suggest|recommend|tell me|show me)"
+    r"|[.?!] (?:please )?(?:include|keep it|answer|limit|focus|avoid|respond|reply|format|cite|add|use only|use no)",
 }
+# The form a format instruction asks for, by the first of its words found here: a table is not a list, nor a haiku
+# a poem of any kind, so "format" is compared with its form.
+FORMS = {"bullet": "bullets", "bullets": "bullets", "bulleted": "bullets", "numbered": "numbered", "table": "table",
+         "list": "list", "paragraph": "paragraph", "paragraphs": "paragraph", "json": "json", "markdown": "markdown",
+         "essay": "essay", "poem": "poem", "haiku": "haiku", "tweet": "tweet", "limerick": "limerick",
+         "outline": "outline", "checklist": "checklist", "story": "story", "song": "song", "letter": "letter",
+         "email": "email", "script": "script", "dialogue": "dialogue", "faq": "faq"}  # fmt: skip
 _INSTRUCTION = re.compile("|".join(f"(?P<{k}>\\b(?:{v})\\b)" for k, v in _INSTRUCTIONS.items()))
 
 
 def instructions(lower_text: str) -> frozenset[str]:
-    """The kinds of length, depth or format instruction a lower-cased prompt holds."""
-    return frozenset(m.lastgroup for m in _INSTRUCTION.finditer(lower_text) if m.lastgroup)
+    """The kinds of length, depth or format instruction a lower-cased prompt holds (a format with its form)."""
+    found = set()
+    for m in _INSTRUCTION.finditer(lower_text):
+        kind = m.lastgroup
+        if kind == "format":
+            kind += ":" + next((FORMS[w] for w in m.group().split() if w in FORMS), "")
+        if kind:
+            found.add(kind)
+    return frozenset(found)
 
 
 def without_instructions(text: str, kept: Callable[[str], bool]) -> str:

@@ -141,7 +141,8 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
 # The rule-made sets (tools/semantic_pairs.py) and the hand-written natural sets at the default threshold, 0.80.
 # "transformed" and "natural" were tuned on; "transformed-holdout" was run once and then informed one round of
 # changes; "transformed-late" was frozen before that round; "natural-sealed" was frozen before any change and only
-# ever read in total: its figure is the one a user should expect on unseen traffic. The bounds are the measured
+# ever read in total: its figure is the one a user should expect on unseen traffic; "forms" was written to probe
+# scope and roles and tuned on. The bounds are the measured
 # figures with a little room, so that a rule change that costs accuracy fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
@@ -150,7 +151,8 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
         ("transformed-holdout", 0.02, 0.65),
         ("transformed-late", 0.07, 0.70),
         ("natural", 0.02, 0.55),
-        ("natural-sealed", 0.06, 0.50),
+        ("natural-sealed", 0.04, 0.50),
+        ("forms", 0.03, 0.70),
     ],
 )
 def test_the_held_out_sets_at_the_default_threshold(
@@ -168,7 +170,7 @@ def test_the_held_out_sets_at_the_default_threshold(
     plain = next(p for p in report["curve"] if p["threshold"] == 0.80)
     assert plain["false_hit_rate"] > 0.30  # the cosine alone lets a third of the look-alikes through, or more
     assert report["kinds_at"] == 0.80
-    if name.startswith("natural"):
+    if name.startswith("natural") or name == "forms":  # hand-written: not every kind, nor in every set
         return
     kinds = {k["kind"]: k for k in report["kinds"]}
     for kind in ("scope", "affix", "negation", "antonym", "quantity"):

@@ -195,6 +195,17 @@ VETOED_BY_RULE = [
     ("scope", "Summarize the French Revolution briefly", "Summarize the French Revolution in great detail"),
     ("scope", "What is a mutex?", "What is a mutex? Just give me the short answer"),
     ("scope", "How do I bake bread?", "How do I bake bread, step by step?"),
+    # a further task joined on, or a sentence after the request that shapes its answer
+    ("scope", "Convert this recipe to metric.", "Convert this recipe to metric and explain each step."),
+    ("scope", "What is a Fourier transform?", "What is a Fourier transform? Keep it to one short paragraph."),
+    ("scope", "Why do cats purr?", "Why do cats purr? Include the research behind it."),
+    # a format instruction is compared with the form it asks for
+    ("scope", "Write a poem about the harbour.", "Write a limerick about the harbour."),
+    ("scope", "Plan a week of meals in a table.", "Plan a week of meals as a checklist."),
+    # words appended that hold content: another audience, another form, a narrower topic
+    ("scope", "Explain public-key encryption.", "Explain public-key encryption for a security auditor."),
+    ("scope", "How do tides work?", "How do tides work? Short and sweet."),
+    ("scope", "Explain sorting algorithms.", "Explain sorting algorithms with code."),
     # negation by a prefix
     ("negation", "Which mushrooms are edible?", "Which mushrooms are inedible?"),
     ("negation", "List common regular verbs", "List common irregular verbs"),
@@ -223,6 +234,8 @@ HARMLESS_BY_RULE = [
     ("Python vs Ruby for scripting?", "Ruby vs Python for scripting?"),  # "vs" has no direction
     ("Convert Celsius to Fahrenheit", "Get Fahrenheit from Celsius"),  # "Y from X" is "X to Y"
     ("How do mortgage rates affect rents?", "How do mortgage raets affect rents?"),  # a slip its stem hides
+    ("Explain how tides work.", "Explain how tides work to me, please."),  # a courtesy appended holds no content
+    ("Write a poem about the harbour.", "Could you write me a poem about the harbour?"),  # the same form asked
 ]
 
 

@@ -29,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -72,6 +73,18 @@ CONFIGURATIONS: dict[str, tuple[str, ...]] = {
 MESSAGES_PATH = b"/v1/messages"
 MESSAGES_ANSWER = re.compile(rb'"text_delta"|"type":"text"')
 TOKENS = 5
+SAMPLE_RATIO = 0.1  # tracing's sample ratio, and the share of the load's traceparents that are sampled
+SAMPLE_EVERY = round(1 / SAMPLE_RATIO)
+# The span export's thread sends a batch every 5 s or once 512 spans wait (OTEL_BSP_*): on the clock, so a window of
+# 300 requests held none or one by chance, up to +45k instructions a request from run to run (a batch of 512 spans
+# sent to the sink counted ~13M). The counted gateway holds its encoded spans until it stops instead: what is
+# counted is the request path and the completion task (the spans laid out and encoded), never the export, which
+# `sluice bench --scenario tracing` times.
+HOLD_SPANS = {
+    "OTEL_BSP_SCHEDULE_DELAY": "3600000",
+    "OTEL_BSP_MAX_QUEUE_SIZE": "1000000",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1000000",
+}
 START_TIMEOUT_S = 180.0  # a gateway starts many times slower under valgrind than natively
 CONTROL_TIMEOUT_S = 120.0
 
@@ -141,7 +154,7 @@ def gateway_config(stages: Sequence[str], ports: dict[str, int], key_hash: str) 
         # A capacity far above the load: every request classified and through the gate, none ever waits.
         config["admission"] = {"backends": {"fast": {"max_in_flight": 100_000}}}
     if "tracing" in stages:
-        config["telemetry"] = {"otlp_endpoint": f"http://127.0.0.1:{ports['sink']}", "sample_ratio": 0.1}
+        config["telemetry"] = {"otlp_endpoint": f"http://127.0.0.1:{ports['sink']}", "sample_ratio": SAMPLE_RATIO}
     return config
 
 
@@ -244,23 +257,25 @@ async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Coun
     serve = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(config), "--log-level", "warning"]
     env = dict(os.environ)
     env.pop("PYTHONSAFEPATH", None)  # -m must put this tree's directory (the working directory) first
+    env.update(HOLD_SPANS)
     child = spawn(f"gateway {name} under callgrind", [*valgrind, *serve], None, env, cwd=str(TREE))
     pool = Pool(f"http://127.0.0.1:{ports['gateway']}", CLIENT_LIMITS)
     headers = JSON_HEADERS
     if "auth" in stages:
         headers += b"authorization: Bearer " + fleet.key.encode() + b"\r\n"
+    sampled = "tracing" in stages
     counts = []
     try:
         await wait_ready(child, pool, b"/readyz", time.monotonic() + START_TIMEOUT_S)
         check_tree(child.popen.pid)
         build = build_of(child.popen.pid)
         messages = name == MESSAGES
-        await load(pool, headers, counting.warmup, counting.concurrency, messages)
+        await load(pool, headers, counting.warmup, counting.concurrency, messages, sampled)
         for _ in range(repeats):
             before = dumps(workdir)
             control(child.popen.pid, "-z")
             control(child.popen.pid, "-i", "on")
-            await load(pool, headers, counting.requests, counting.concurrency, messages)
+            await load(pool, headers, counting.requests, counting.concurrency, messages, sampled)
             control(child.popen.pid, "-i", "off")
             control(child.popen.pid, "-d")
             counts.append(Count(name, tuple(stages), counting.requests, dumped_total(workdir, before), build))
@@ -270,10 +285,14 @@ async def count(name: str, stages: Sequence[str], fleet: Helpers, counting: Coun
     return counts
 
 
-async def load(pool: Pool, headers: bytes, requests: int, concurrency: int, messages: bool = False) -> None:
+async def load(
+    pool: Pool, headers: bytes, requests: int, concurrency: int, messages: bool = False, sampled: bool = False
+) -> None:
     """`requests` non-stream prompts never sent before (cache misses), `concurrency` at a time; all must succeed.
-    With `messages`, the same prompts as Anthropic Messages requests."""
+    With `messages`, the same prompts as Anthropic Messages requests; with `sampled`, each with a traceparent."""
     work = unique_workload("fast", False, TOKENS, requests, headers)
+    if sampled:
+        work = replace(work, extra=traceparents(requests))
     if messages:
         made = [orjson.loads(body) for body in work.bodies]
         bodies = tuple(orjson.dumps({**body, "max_tokens": TOKENS}) for body in made)
@@ -291,6 +310,19 @@ async def measure(counting: Counting, names: Sequence[str] = tuple(CONFIGURATION
         for name in names:
             found += await count(name, CONFIGURATIONS[name], fleet, counting, repeats)
     return found
+
+
+def traceparents(requests: int) -> tuple[bytes, ...]:
+    """A W3C traceparent for each request, as an instrumented client sends, every `SAMPLE_EVERY`th sampled.
+
+    A sampled request costs the gateway ~390k instructions more than one that is not (its spans laid out,
+    encoded and exported), so with trace ids drawn at random the 10 % a window samples (30 of 300, give or take
+    5) swung the count by ±7k a request from run to run; under a parent's decision every window samples the
+    same share: exactly one request in `SAMPLE_EVERY`, the ratio the config names for requests without one.
+    """
+    tag = uuid.uuid4().hex[:16].encode()
+    flags = [b"01" if i % SAMPLE_EVERY == 0 else b"00" for i in range(requests)]
+    return tuple(b"traceparent: 00-%s%016x-%016x-%s\r\n" % (tag, i + 1, i + 1, flag) for i, flag in enumerate(flags))
 
 
 def markdown(counts: Sequence[Count], counting: Counting, command: str, seconds: float) -> str:

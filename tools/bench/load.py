@@ -55,6 +55,8 @@ class Workload:
     headers: bytes = JSON_HEADERS
     method: bytes = b"POST"
     answer: re.Pattern[bytes] = FIRST_TOKEN  # what a good answer (a stream: a chunk) holds; its first one is timed
+    # Header lines of each request's own, added to `headers` (request i gets extra[i % len]), e.g. a traceparent.
+    extra: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,8 @@ async def once(pool: Pool, work: Workload, index: int, out: Samples) -> None:
     started = time.perf_counter()
     first = last = 0.0
     try:
-        response = await pool.request(work.method, work.path, work.headers, body)
+        headers = work.headers + work.extra[index % len(work.extra)] if work.extra else work.headers
+        response = await pool.request(work.method, work.path, headers, body)
         try:
             if work.stream:
                 while chunk := await response.next_chunk():

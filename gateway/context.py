@@ -67,6 +67,9 @@ class Exchange:
     # Set by a plugin: per endpoint label, what least_outstanding weighs before load (the admission plugin: the
     # top-class requests in flight there, which an engine that preempts by priority cannot pause for this one).
     route_bias: RouteBias | None = None
+    # Headers for the response that a plugin knows before the answer (the rate limits, the priority class):
+    # added to the head where on_response hooks add theirs, without a hook to run (add_response_headers).
+    response_headers: list[tuple[bytes, bytes]] | None = None
 
     def __init__(
         self,
@@ -108,6 +111,14 @@ class Exchange:
         if index is None:
             index = self.index = dict(reversed(self.headers))
         return index.get(name)
+
+    def add_response_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Headers the response will carry, whatever answers (an upstream, a plugin's reply, an error after this
+        point); `headers` is a list the caller gives up."""
+        if self.response_headers is None:
+            self.response_headers = headers
+        else:
+            self.response_headers += headers
 
     def mark(self, stage: str, since: float) -> float:
         """Record a stage that started at `since` (perf_counter) and ends now; return now."""

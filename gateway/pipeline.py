@@ -270,6 +270,8 @@ class Pipeline:
             headers.append((b"x-sluice-model", ex.served.model.encode()))
         if ex.fallback is not None:
             headers.append((b"x-sluice-fallback", ex.fallback.encode()))
+        if ex.response_headers is not None:
+            headers += ex.response_headers
         outcome.status = status
         head = ResponseHead(status, headers)
         taps: list[Tap] = []
@@ -344,6 +346,8 @@ class Pipeline:
         self._record(ex, outcome)
         for name, hook in self.on_complete:
             try:
-                await hook(ex, outcome)
+                pending = hook(ex, outcome)
+                if pending is not None:  # a coroutine; a plain method's work is done (gateway/plugin.py)
+                    await pending
             except Exception:
                 log.exception("plugin %s: on_complete failed", name)

@@ -1,7 +1,9 @@
 """The plugin contract: optional stages named in the config's `plugins:` list, run in that order.
 
 Every hook is optional and named after the moment it fires. The pipeline builds one list per hook at
-start-up, holding only the plugins that define it, so an unused hook costs nothing per request.
+start-up, holding only the plugins that define it, so an unused hook costs nothing per request. A plugin
+whose config leaves one of its hooks nothing to do names it in an instance attribute `idle` (a set of hook
+names, read once at start-up): the admission plugin's `on_response` serves only service tiers.
 
 - `startup(runtime)`: once, before the gateway reports ready. Open connections, load keys.
 - `on_request(ex)`: the request is parsed, nothing has gone upstream. Return a `Reply` to answer now
@@ -9,11 +11,14 @@ start-up, holding only the plugins that define it, so an unused hook costs nothi
   `ex.targets` (the SLO plugin does).
 - `on_failure(ex, error)`: every target failed with `error` (a GatewayError). Return a `Reply` to answer
   anyway (a stale cache entry), or None to let the error go out.
-- `on_response(ex, head)`: status and headers are known, nothing is sent yet. May add headers. May return
+- `on_response(ex, head)`: status and headers are known, nothing is sent yet. May add headers (headers known
+  before the answer are cheaper added from on_request with `ex.add_response_headers`: no hook runs). May return
   a `Tap`: a cheap synchronous callable given every body chunk as it passes (and b"" at the end); return
   one only when the bytes are needed, since it is the one per-chunk cost a plugin can add.
 - `on_complete(ex, outcome)`: after the last byte went to the client (or the request failed). Runs off the
-  response path; exceptions are logged with the plugin's name and never reach the client.
+  response path; exceptions are logged with the plugin's name and never reach the client. A plugin whose
+  completion never waits may define it as a plain method: no coroutine is made for it (the admission
+  plugin's, which frees a slot).
 - `shutdown()`: once, when the gateway stops.
 
 Plugins never call each other; they share data through `ex.state`.
@@ -209,7 +214,7 @@ Startup: TypeAlias = "Callable[[Runtime], Awaitable[None]]"
 OnRequest: TypeAlias = "Callable[[Exchange], Awaitable[Reply | None]]"
 OnFailure: TypeAlias = "Callable[[Exchange, GatewayError], Awaitable[Reply | None]]"
 OnResponse: TypeAlias = "Callable[[Exchange, ResponseHead], Awaitable[Tap | None]]"
-OnComplete: TypeAlias = "Callable[[Exchange, Outcome], Awaitable[None]]"
+OnComplete: TypeAlias = "Callable[[Exchange, Outcome], Awaitable[None] | None]"
 Shutdown: TypeAlias = "Callable[[], Awaitable[None]]"
 HookT = TypeVar("HookT")
 Hooks: TypeAlias = tuple[tuple[str, HookT], ...]  # (plugin name, bound hook), in the config's order
@@ -234,7 +239,7 @@ class HandlesResponse(Protocol):
 
 
 class HandlesComplete(Protocol):
-    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None: ...
+    def on_complete(self, ex: Exchange, outcome: Outcome) -> Awaitable[None] | None: ...
 
 
 class ShutsDown(Protocol):
@@ -264,9 +269,13 @@ def hooks(plugins: Sequence[Plugin], name: Literal["on_complete"]) -> Hooks[OnCo
 @overload
 def hooks(plugins: Sequence[Plugin], name: Literal["shutdown"]) -> Hooks[Shutdown]: ...
 def hooks(plugins: Sequence[Plugin], name: str) -> Hooks[Callable[..., Awaitable[Any]]]:
-    """(plugin name, bound hook) for every plugin that defines hook `name`, in order.
+    """(plugin name, bound hook) for every plugin that defines hook `name` and has not named it `idle`, in order.
 
     Plugins are loaded by name, so a hook's type is asserted here, once, from its name: the one place the
     signature is taken on trust (the plugins' own classes are checked against the protocols above).
     """
-    return tuple((p.name, getattr(p, name)) for p in plugins if callable(getattr(p, name, None)))
+    return tuple(
+        (p.name, getattr(p, name))
+        for p in plugins
+        if callable(getattr(p, name, None)) and name not in getattr(p, "idle", ())
+    )

@@ -122,6 +122,8 @@ class Metrics:
         # reads the files of every process: there values cannot wait in this process.
         self.batched = self.directory is None
         self.extra = dict(labels or {})
+        self.extra_names = tuple(self.extra)
+        self.extra_defaults = tuple(self.extra.values())
         names = (*CORE_LABELS, *self.extra)
         self._request_families(names)
         self._gateway_families()
@@ -263,8 +265,8 @@ class Metrics:
         served = ex.served or NOT_SERVED
         key: tuple[Any, ...] = (ex.tenant, ex.model, served.model, served.backend, ex.stream)
         if self.extra:
-            got = ex.labels
-            key += tuple([got.get(name, default) for name, default in self.extra.items()])
+            # map() over the bound get: no comprehension frame a request (callgrind: -1.3k instructions)
+            key += tuple(map(ex.labels.get, self.extra_names, self.extra_defaults))
         series = self.by_key.get(key)
         if series is None:
             series = self._series(ex, key)

@@ -36,7 +36,7 @@ from plugins.admission.config import (
     Class,
     TenantClasses,
 )
-from plugins.admission.propagation import PROPAGATED, TIER_HEADER, fields_by_class, served_tier
+from plugins.admission.propagation import PROPAGATED, TIER_HEADER, Fields, fields_by_class, served_tier
 from plugins.admission.queue import Full, Gate
 
 if TYPE_CHECKING:
@@ -121,12 +121,18 @@ class Admission:
         self.background = self.classes[_rank(section, section.background_class)] if section.background_class else lowest
         self.refuse = section.above_allowed == "refuse"
         self.fields = fields_by_class(section.classes, settings)  # rank -> backend -> fields, or None
+        # on_response reports the service tier served; without a class that asks for one it has nothing to do.
+        self.idle = frozenset() if any(self._tiered(f) for f in self.fields) else frozenset({"on_response"})
         self.gates: dict[str, Gate] = {}
         self.readers: list[Reader] = []  # capacity: auto, one a backend
         self.shed: Any = None
         self.queued: Any = None
         self.queue_seconds: Any = None
         self.waiting: Any = None
+
+    @staticmethod
+    def _tiered(fields: Fields | None) -> bool:
+        return fields is not None and any("service_tier" in f for f in fields.values())
 
     def _weight(self, tenant: str) -> int:
         spec = self.tenants.get(tenant)
@@ -228,6 +234,9 @@ class Admission:
         fields = self.fields[cls.rank]
         if fields is not None and ex.endpoint in PROPAGATED:
             ex.upstream_fields = fields
+            ex.add_response_headers([(HEADER, cls.label)])
+        elif asked is not None:
+            ex.add_response_headers([(HEADER, cls.label)])  # it may have been clamped
         targets = ex.targets
         if background or ex.resource or not targets:
             return  # a background job's start, or a stored object's operation: nothing runs upstream now
@@ -238,10 +247,10 @@ class Admission:
             ex.route_bias = gate.bias  # to the replica running the fewest of its class, which it cannot preempt
         if gate.inflight < gate.limits[cls.rank] and not gate.waiting:  # Gate.enter, inline
             gate.inflight += 1
-            ex.state[NAME] = (gate, time.perf_counter())
+            ex.state[NAME] = gate  # through at once: its slot held from the request's start (see on_complete)
             return
         if gate.past(cls.rank):
-            ex.state[NAME] = (gate, time.perf_counter(), True)
+            ex.state[NAME] = (gate, time.perf_counter() - ex.started, True)
             return
         if cls.spill and self._spill(ex, gate, cls):
             return
@@ -259,7 +268,7 @@ class Admission:
                 if not (gate.inflight < gate.limits[cls.rank] and not gate.waiting):
                     continue
                 gate.inflight += 1
-                ex.state[NAME] = (gate, time.perf_counter())
+                ex.state[NAME] = gate
             ex.targets = [target, *targets[:index], *targets[index + 1 :]]
             ex.fallback = "overload"
             return True
@@ -288,11 +297,13 @@ class Admission:
             if gauge is not None:
                 gauge.dec()
         now = time.perf_counter()
-        ex.state[NAME] = (gate, now)
+        ex.state[NAME] = (gate, now - ex.started, False)
         waited = now - began
         # Waiting for a backend's capacity is not the gateway's own work: it counts with the upstream's time.
         ex.upstream_ms += waited * 1000.0
         ex.attributes[QUEUE_MS] = round(waited * 1000.0, 3)
+        if ex.upstream_fields is None and ex.header(HEADER) is None:
+            ex.add_response_headers([(HEADER, cls.label)])  # it waited: say for which class's turn
         if self.queued is not None:
             self.queued.labels(gate.backend, cls.name).inc()
             self.queue_seconds.labels(gate.backend, cls.name).inc(waited)
@@ -320,15 +331,9 @@ class Admission:
         return error
 
     async def on_response(self, ex: Exchange, head: ResponseHead) -> Tap | None:
-        # The class goes back to a client that asked for one (it may have been clamped) or that waited for a
-        # slot; a plain request's class is its tenant's, in the access line and the metrics, at no cost here.
+        # The service tier that served, where the class asked for one (idle without such a class); the class
+        # itself went into the head from on_request.
         fields = ex.upstream_fields
-        if fields is None and ex.header(HEADER) is None and QUEUE_MS not in ex.attributes:
-            return None
-        name = ex.labels.get(LABEL)
-        if name is None:
-            return None  # refused before this plugin's turn
-        head.headers.append((HEADER, self.labels[name]))
         served = ex.served
         if fields is None or served is None:
             return None
@@ -338,19 +343,24 @@ class Admission:
         head.headers.append((TIER_HEADER, tier.encode()))
         return None if ex.stream else served_tier(head, len(head.headers) - 1)
 
-    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
-        # The gate's slot, since when, and (a third item) whether it passed the full gate as the engine preempts.
-        held: tuple[Any, ...] | None = ex.state.pop(NAME, None)
+    def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+        # A plain method (no coroutine a request): it never waits. The state is the gate, for a request through
+        # at once, whose slot counts as held from the request's start (the stages before this one take tens of
+        # microseconds, the slot is held for the whole answer: no clock is read for it); or (the gate, when the
+        # slot was taken in seconds since the start, whether it passed the full gate as the engine preempts).
+        held: Gate | tuple[Gate, float, bool] | None = ex.state.pop(NAME, None)
         if held is None:
             return
-        gate: Gate = held[0]
-        since: float = held[1]
+        if isinstance(held, tuple):
+            gate, since, over = held
+        else:
+            gate, since, over = held, 0.0, False
         if ex.route_bias is not None:
             gate.bias.ended(ex)
-        over = len(held) > 2
         status = outcome.status
         if status >= 400 or status == 0:
             gate.leave_now(over)  # a failure says nothing of how long the backend takes to serve
             return
+        total_ms = outcome.total_ms if outcome.total_ms > 0 else (time.perf_counter() - ex.started) * 1000.0
         ttft = outcome.ttft_ms
-        gate.leave(time.perf_counter() - since, None if ttft is None else ttft / 1000.0 - (since - ex.started), over)
+        gate.leave(total_ms / 1000.0 - since, None if ttft is None else ttft / 1000.0 - since, over)

@@ -29,7 +29,7 @@ from plugins.rate_limit.sync import SCRIPT, Leases, Route
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
-    from gateway.plugin import Outcome, ResponseHead
+    from gateway.plugin import Outcome
     from gateway.runtime import Runtime
     from gateway.settings import Settings
 
@@ -127,7 +127,7 @@ def read_plans(config: Config) -> dict[tuple[str, str], Plan]:
 
 
 class RateLimit:
-    """The plugin: admits in on_request, reports in on_response, corrects in on_complete."""
+    """The plugin: admits in on_request (its headers set there), corrects in on_complete."""
 
     name: ClassVar[str] = NAME
     # After auth: a limit is per tenant, and only auth knows who is calling.
@@ -224,11 +224,8 @@ class RateLimit:
             self._leave(ex)  # refused: it is not in flight
             raise rejection(plan, verdict, reserved)
         ex.state[NAME] = Reservation(plan, verdict, reserved, completion, route)
-
-    async def on_response(self, ex: Exchange, head: ResponseHead) -> None:
-        reservation: Reservation | None = ex.state.get(NAME)
-        if reservation is not None:
-            head.headers += ratelimit_headers(reservation.plan, reservation.verdict)
+        # Known now, whatever answers: the response carries them without an on_response hook.
+        ex.add_response_headers(ratelimit_headers(plan, verdict))
 
     def _leave(self, ex: Exchange) -> None:
         tenant = ex.state.pop(INFLIGHT, None)

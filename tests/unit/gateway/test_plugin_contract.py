@@ -31,7 +31,7 @@ from plugins.slo import Slo
 STARTS_UP: tuple[type[StartsUp], ...] = (Auth, RateLimit, Cache, Slo, SemanticCache, Admission, Cascade)
 HANDLES_REQUEST: tuple[type[HandlesRequest], ...] = (Auth, RateLimit, Cache, Slo, SemanticCache, Admission, Cascade)
 HANDLES_FAILURE: tuple[type[HandlesFailure], ...] = (Cache,)
-HANDLES_RESPONSE: tuple[type[HandlesResponse], ...] = (RateLimit, Cache, SemanticCache, Admission)
+HANDLES_RESPONSE: tuple[type[HandlesResponse], ...] = (Cache, SemanticCache, Admission)
 HANDLES_COMPLETE: tuple[type[HandlesComplete], ...] = (RateLimit, Cache, Slo, SemanticCache, Admission)
 SHUTS_DOWN: tuple[type[ShutsDown], ...] = (Auth, RateLimit, Cache, SemanticCache, Admission)
 

@@ -12,6 +12,7 @@ import pytest
 from gateway.config import parse
 from gateway.context import Exchange
 from gateway.errors import BadRequestError, PermissionDeniedError
+from gateway.plugin import hooks
 from plugins.admission import Admission
 from plugins.admission.queue import Fair, Full, Gate, Waiter
 from tests.support.plugins import make
@@ -239,3 +240,31 @@ async def test_a_capacity_read_resizes_the_gate_and_wakes_waiters() -> None:
     assert (g.capacity, g.inflight, g.waiting) == (3, 2, 0)
     g.resize(None)  # unreadable: the configured one again
     assert g.capacity == 1
+
+
+TIERED = """
+backends: {oa: {type: openai, base_url: "http://127.0.0.1:9/v1"}}
+models: {chat: {backend: oa}}
+admission:
+  classes: [{name: interactive, service_tier: priority}, {name: batch, sheddable: true}]
+plugins: [admission]
+"""
+
+
+def test_on_response_runs_only_where_a_class_asks_for_a_service_tier() -> None:
+    # Without a tier to report the hook has nothing to do: the pipeline does not call it (`idle`).
+    plain = make(Admission, parse(CONFIG % "clamp", "<test>"))
+    assert [name for name, _ in hooks([plain], "on_response")] == []
+    assert [name for name, _ in hooks([plain], "on_request")] == ["admission"]
+    tiered = make(Admission, parse(TIERED, "<test>"))
+    assert [name for name, _ in hooks([tiered], "on_response")] == ["admission"]
+
+
+async def test_the_class_goes_back_to_a_client_that_asked_for_one() -> None:
+    plugin = make(Admission, parse(CONFIG % "clamp", "<test>"))
+    asked = exchange("low", b"interactive")
+    await plugin.on_request(asked)
+    assert asked.response_headers == [(b"x-sluice-priority", b"batch")]  # clamped to its own, and told so
+    plain = exchange("low")
+    await plugin.on_request(plain)
+    assert plain.response_headers is None  # its tenant's class: in the metrics and the log, not the head

@@ -276,7 +276,7 @@ class Slo:
                 ex.hedge_after_ms = after_ms
                 ex.state["hedge"] = budget
 
-    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+    def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
         budget = ex.state.get("hedge")
         if isinstance(budget, HedgeBudget):
             budget.settle(ex.hedged)

@@ -296,7 +296,7 @@ class Cache:
         head.headers.append((b"x-sluice-cache", state))
         return None
 
-    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+    def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
         result = ex.labels.get(LABEL)
         if result is not None and self.results is not None:
             labels = (self.tenant_label(ex.tenant), ex.model, result)

@@ -232,7 +232,7 @@ class RateLimit:
         if tenant is not None:
             self.concurrency.leave(tenant)
 
-    async def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
+    def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
         self._leave(ex)  # after the last byte: a stream counts until its end
         reservation: Reservation | None = ex.state.get(NAME)
         if reservation is None or not reservation.plan.tokens:

@@ -45,7 +45,7 @@ async def fill(plugin: Cache, prompt: str, stream: bool = False) -> None:
     assert tap is not None
     tap(orjson.dumps(ANSWER))
     tap(b"")
-    await plugin.on_complete(ex, Outcome(200, complete=True, usage=ANSWER["usage"]))
+    plugin.on_complete(ex, Outcome(200, complete=True, usage=ANSWER["usage"]))
 
 
 async def hit(plugin: Cache, prompt: str, include_usage: bool) -> bytes:

@@ -210,7 +210,7 @@ async def test_tokens_are_reserved_and_corrected_from_usage() -> None:
     error = await refused(plugin, exchange("tokenco", max_tokens=1000))
     assert orjson.loads(error.body())["error"]["type"] == "tokens"
     assert f"Limit 2000, Used {reserved}, Requested {reserved}." in error.message
-    await plugin.on_complete(first, Outcome(200, complete=True, usage={"total_tokens": 12}))
+    plugin.on_complete(first, Outcome(200, complete=True, usage={"total_tokens": 12}))
     second = exchange("tokenco", max_tokens=1000)
     await plugin.on_request(second)
     assert int((await headers_of(plugin, second))["x-ratelimit-remaining-tokens"]) == 2000 - 12 - reserved
@@ -220,7 +220,7 @@ async def test_failed_request_refunds_the_completion_part() -> None:
     plugin = await limiter(Clock())
     failed = exchange("tokenco", max_tokens=1500)
     await plugin.on_request(failed)
-    await plugin.on_complete(failed, Outcome(502, error="upstream failed"))
+    plugin.on_complete(failed, Outcome(502, error="upstream failed"))
     probe = exchange("tokenco", max_tokens=1)
     await plugin.on_request(probe)
     charged = len(failed.body) // 4 + estimate(probe, 100)[0]
@@ -231,7 +231,7 @@ async def test_completed_stream_without_usage_keeps_its_reservation() -> None:
     plugin = await limiter(Clock())
     streamed = exchange("tokenco", max_tokens=1500, stream=True)
     await plugin.on_request(streamed)
-    await plugin.on_complete(streamed, Outcome(200, complete=True))
+    plugin.on_complete(streamed, Outcome(200, complete=True))
     await refused(plugin, exchange("tokenco", max_tokens=1000))
 
 
@@ -239,7 +239,7 @@ async def test_an_answer_from_a_plugin_costs_no_tokens() -> None:
     plugin = await limiter(Clock())
     cached = exchange("tokenco", max_tokens=1500)
     await plugin.on_request(cached)
-    await plugin.on_complete(cached, Outcome(200, complete=True, source="cache"))
+    plugin.on_complete(cached, Outcome(200, complete=True, source="cache"))
     probe = exchange("tokenco", max_tokens=1)
     await plugin.on_request(probe)
     assert int((await headers_of(plugin, probe))["x-ratelimit-remaining-tokens"]) == 2000 - estimate(probe, 100)[0]
@@ -250,7 +250,7 @@ async def test_usage_above_the_reservation_is_charged() -> None:
     plugin = await limiter(clock)
     ex = exchange("tokenco", max_tokens=10)
     await plugin.on_request(ex)
-    await plugin.on_complete(ex, Outcome(200, complete=True, usage={"total_tokens": 2500}))
+    plugin.on_complete(ex, Outcome(200, complete=True, usage={"total_tokens": 2500}))
     error = await refused(plugin, exchange("tokenco", max_tokens=1))
     assert "Used 2500" in error.message
     clock.now += 16  # 500 tokens owed, then the request's own: 16 s at 2000 per minute is enough
@@ -265,7 +265,7 @@ async def test_a_reservation_larger_than_the_limit_waits_for_a_full_bucket() -> 
     assert (await headers_of(plugin, big))["x-ratelimit-remaining-tokens"] == "0"
     error = await refused(plugin, exchange("tokenco", max_tokens=5000))
     assert dict(error.headers)[b"retry-after"] == b"60"
-    await plugin.on_complete(big, Outcome(200, complete=True, usage={"total_tokens": 100}))
+    plugin.on_complete(big, Outcome(200, complete=True, usage={"total_tokens": 100}))
     await plugin.on_request(exchange("tokenco", max_tokens=5))
 
 
@@ -519,6 +519,6 @@ async def test_requests_in_flight_are_capped_per_tenant() -> None:
     assert caught.value.status == 429
     assert (b"retry-after", b"1") in caught.value.headers
     await plugin.on_request(exchange("anonymous"))  # another tenant is not affected
-    await plugin.on_complete(first, Outcome(status=200, complete=True))
+    plugin.on_complete(first, Outcome(status=200, complete=True))
     await plugin.on_request(exchange("free"))  # one ended: room for one more
     assert plugin.concurrency.inflight == {"free": 2, "anonymous": 1}

@@ -384,4 +384,12 @@ def test_a_response_made_while_redis_is_down_is_kept_and_written_when_it_is_back
         with redis_server.client() as client:
             wait_until(lambda: client.exists(index_key(rid)), timeout=15, what="the kept owner record written")
         wait_until(lambda: call(two, "GET", f"/responses/{rid}").status_code == 200, timeout=15, what="read on two")
-        refused(call(two, "GET", f"/responses/{rid}", OTHER_KEY), {404})
+
+        # Another tenant: 404 once the owner can be read. A call that finds the store slow on a busy machine just
+        # after its restart may still fail closed (503, retry-after), as the contract allows: never anything else.
+        def answered() -> bool:
+            answer = call(two, "GET", f"/responses/{rid}", OTHER_KEY)
+            assert answer.status_code in {404, 503}, (answer.status_code, answer.text)
+            return answer.status_code == 404
+
+        wait_until(answered, timeout=15, what="a 404 for another tenant on two")

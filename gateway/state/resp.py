@@ -393,15 +393,25 @@ class Node:
         return self.filling
 
     async def _fill(self) -> None:
-        while not self.closed and len(self.live) < self.options.connections:
+        # One attempt a missing connection, never a loop until the pool is full: a server that closes what it
+        # accepts (going down, or at its client limit) would have kept this opening connections for good, and
+        # the call waiting on it waiting with it.
+        loop = asyncio.get_running_loop()
+        for _ in range(self.options.connections - len(self.live)):
+            if self.closed:
+                return
             try:
                 connection = await asyncio.wait_for(self.open(), self.options.connect_timeout_s)
             except BaseException:
-                self.retry_at = asyncio.get_running_loop().time() + 1.0
+                self.retry_at = loop.time() + 1.0
                 raise
             if self.closed:
                 connection.abort()
                 return
+            if connection.transport is None:
+                # Lost before it was counted live, so `lost` could not take it out: never live, a failed connect.
+                self.retry_at = loop.time() + 1.0
+                raise ConnectionError(f"redis at {self.address} closed the connection as it opened")
             self.live.append(connection)
 
     async def open(self) -> Connection:
@@ -436,8 +446,12 @@ class Node:
     def lost(self, connection: Connection) -> None:
         if connection in self.live:
             self.live.remove(connection)
-            if not self.closed:
-                self.fill()  # one attempt, in the background; its failure waits for the next call
+            now = asyncio.get_running_loop().time()
+            if not self.closed and now >= self.retry_at:
+                # One attempt, in the background; its failure waits for the next call. At most one a second:
+                # connections lost as soon as they open must not become a reconnect storm.
+                self.retry_at = now + 1.0
+                self.fill()
 
     def close(self) -> None:
         self.closed = True

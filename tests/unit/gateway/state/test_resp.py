@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import hiredis
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.state.cluster import key_of, slot
-from gateway.state.resp import Batch, Connection, ReplyError, encode, node_urls, parse_url
+from gateway.state.resp import Batch, Connection, Node, Options, ReplyError, encode, node_urls, parse_url
 
 
 def test_commands_are_encoded_as_arrays_of_bulk_strings() -> None:
@@ -178,3 +179,30 @@ async def test_nothing_is_written_to_a_connection_being_aborted_and_its_calls_fa
     for future in (first, second):
         with pytest.raises(ConnectionError):
             future.result()
+
+
+async def test_a_connection_closed_as_it_opens_is_never_counted_live() -> None:
+    # A server going down (or at its client limit) accepts and closes at once. The pool's refill used to loop
+    # until it held every connection, so a call waiting on it waited for good; and a connection lost before it
+    # was counted live stayed live, every other call failing on it at its deadline. A real socket server on
+    # loopback that closes what it accepts.
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(close_at_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    node = Node("127.0.0.1", port, Options(connections=2, connect_timeout_s=1.0))
+    try:
+        loop = asyncio.get_running_loop()
+        for _ in range(20):
+            started = loop.time()
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await asyncio.wait_for(node.call(("PING",)), 10.0)
+            assert loop.time() - started < 10.0, "a call waited on a refill that never ends"
+            node.retry_at = 0.0  # try again at once rather than a second later
+            await asyncio.sleep(0.01)  # the closes arrive
+            assert all(c.transport is not None for c in node.live), "a lost connection is counted live"
+    finally:
+        node.close()
+        server.close()
+        await server.wait_closed()

@@ -106,7 +106,9 @@ def test_first_token_deadline_moves_on_before_any_byte(large: ScriptedUpstream, 
         ttft, served, reason, _ = stream(gw)
         assert served == "chat-small"
         assert reason == "deadline"
-        assert 0.5 <= ttft < 0.75  # deadline + the fallback's 50 ms
+        # The deadline, then the fallback's 50 ms; the upper bound generous for a busy machine (the primary never
+        # answers at all: served and reason above say what happened).
+        assert 0.5 <= ttft < 1.5
         assert large.wait_disconnect(2.0)  # the stalled primary's request was closed
 
 
@@ -116,7 +118,9 @@ def test_role_chunk_alone_does_not_beat_the_deadline(large: ScriptedUpstream, sm
     with gateway_thread(config(large, small, ", first_token_deadline_ms: 400")) as gw:
         ttft, served, reason, _ = stream(gw)
         assert (served, reason) == ("chat-small", "deadline")
-        assert ttft < 0.7
+        assert (
+            ttft < 1.5
+        )  # the deadline's 0.4 s and the fallback, well before the primary's 2 s: with room for a busy machine
 
 
 def test_503_fails_over_once_and_400_not_at_all(large: ScriptedUpstream, small: ScriptedUpstream) -> None:
@@ -157,7 +161,9 @@ def test_hedging_races_the_fallback_and_closes_the_loser(large: ScriptedUpstream
     with gateway_thread(config(large, small, ", hedge_after_ms: 200, max_hedge_ratio: 0.5")) as gw:
         ttft, served, reason, _ = stream(gw)
         assert (served, reason) == ("chat-small", "hedge")
-        assert 0.2 <= ttft < 0.5
+        assert (
+            0.2 <= ttft < 1.2
+        )  # the hedge's 0.2 s and the fallback, before the primary's 1.5 s (0.62 s seen on a busy CI)
         assert large.wait_disconnect(2.0)  # the loser was closed at once
         results = [stream(gw)[1:3] for _ in range(3)]
         hedged = 1 + results.count(("chat-small", "hedge"))

@@ -109,7 +109,6 @@ class Admission:
             for rank, c in enumerate(section.classes)
         )
         self.by_name = {c.name.encode(): c for c in self.classes}
-        self.labels = {c.name: c.label for c in self.classes}
         default = self.classes[_default_rank(section)]
         self.anyone = TenantClasses(default, default, 1)  # a tenant the config does not name
         self.tenants: dict[str, TenantClasses] = {}

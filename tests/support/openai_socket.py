@@ -145,11 +145,18 @@ class FakeOpenAI:
 
     def __exit__(self, *_: object) -> None:
         if self.loop is not None and self.server is not None:
-            self.loop.call_soon_threadsafe(self.server.close)
-            for task in asyncio.all_tasks(self.loop):
-                self.loop.call_soon_threadsafe(task.cancel)
+            # One call into the loop's own thread does the closing: the tasks are listed there (a list taken from
+            # this thread races the loop), and a loop that has already finished and closed needs nothing more.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._stop)
         if self.thread is not None:
             self.thread.join(10)
+
+    def _stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in asyncio.all_tasks():
+            task.cancel()
 
     # One connection: HTTP requests on keep-alive, or an upgrade
 

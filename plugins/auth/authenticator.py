@@ -19,20 +19,19 @@ import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import orjson
 import redis.asyncio as aioredis
 from cachetools import TTLCache
-from pydantic import Field
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from gateway.plugin import Configured, Empty, Problem, Schema
-from gateway.settings import Strict
 from gateway.state.store import Store, StoreUnavailable
+from plugins.auth.config import AuthSection, AuthTenant
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -45,20 +44,6 @@ KEYS_HASH = "sluice:keys"
 CHANNEL = "sluice:keys"
 ANONYMOUS = "anonymous"
 CACHE_SIZE = 100_000
-
-
-class AuthSection(Strict):
-    """`auth:`"""
-
-    required: bool = True  # false: a request without a known key is served as tenant "anonymous"
-    cache_ttl_s: float = Field(30.0, gt=0)  # how long a key looked up in Redis (or found missing) is trusted
-
-
-class AuthTenant(Strict):
-    """Its keys under `tenants.NAME`."""
-
-    keys: list[Annotated[str, Field(pattern=r"^sha256:[0-9a-fA-F]{64}$")]] = Field(default_factory=list)
-    models: list[str] | None = None  # the models the tenant may use; None: every model
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,20 +1,4 @@
-"""slo: route around a model that is breaking its latency or error SLO, before the clients feel it for long.
-
-For every model with `slo:` the plugin keeps a sliding window of what it served: the TTFT of its streams and
-its failures (errors, timeouts, 429s, missed first-token deadlines). When the window's p95 TTFT or error
-rate breaks the SLO (with at least `min_samples`), the model is *degraded*: new requests go to its first
-fallback, the primary kept last as a resort. A share of traffic (`probe_ratio`) still goes to the primary;
-once `cooldown_s` has passed and `recovery_samples` probes in a row beat the SLO by `recovery_margin`, the
-model is healthy again and its window starts afresh. The margin, the cool-down and the fresh window are
-the hysteresis that keeps it from flapping.
-
-The plugin also grants hedging (`hedge_after_ms`): a request may race the next target when its primary is
-slow to give a first token, but only while the tenant's hedged share stays under `max_hedge_ratio`, so a
-slow primary cannot double the load. `gateway/upstream/attempts.py` executes both decisions; this module only
-orders `ex.targets` and sets `ex.hedge_after_ms`.
-
-Only streams give TTFT samples: a non-stream answer's latency is its whole generation, not comparable.
-"""
+"""The slo plugin's policy: each model's window and state, the hedge budget, and the hooks (see __init__)."""
 
 from __future__ import annotations
 
@@ -24,11 +8,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import Field
-
 from gateway.plugin import Configured, Empty, Problem, Schema
-from gateway.settings import Strict
 from gateway.telemetry.quantiles import percentile
+from plugins.slo.config import SloModel, SloSettings
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -43,25 +25,6 @@ MAX_SAMPLES = 4096  # per window: bounds memory and the cost of a p95 whatever t
 FAILURES = frozenset({408, 429, 500, 502, 503, 504})
 EVALUATE_EVERY_S = 0.2
 HEDGE_WINDOW_S = 60.0
-
-
-class SloSettings(Strict):
-    ttft_p95_ms: float = Field(800.0, gt=0)
-    max_error_rate: float = Field(0.05, ge=0, le=1)
-    window_s: float = Field(30.0, gt=0)
-    min_samples: int = Field(20, ge=1)
-    probe_ratio: float = Field(0.05, ge=0, le=1)  # share of traffic that keeps trying a degraded primary
-    cooldown_s: float = Field(10.0, ge=0)  # the least time spent degraded
-    recovery_samples: int = Field(5, ge=1)  # good probes in a row needed to return
-    recovery_margin: float = Field(0.8, gt=0, le=1)  # probes must beat the SLO by this factor (hysteresis)
-
-
-class SloModel(Strict):
-    """Its keys under `models.NAME`."""
-
-    slo: SloSettings | None = None
-    hedge_after_ms: float | None = Field(None, gt=0)  # race the next target when no first token by then
-    max_hedge_ratio: float = Field(0.1, ge=0, le=1)  # of a tenant's requests to the model, per minute
 
 
 Config = Configured[Empty, SloModel, Empty]

@@ -25,6 +25,7 @@ from gateway.upstream.connection import DescriptorsExhausted, PoolError, PoolTim
 from gateway.upstream.descriptors import soft_limit
 from gateway.upstream.providers.anthropic import AnthropicProvider
 from gateway.upstream.providers.azure import AzureProvider
+from gateway.upstream.providers.base import UpstreamResponse
 from gateway.upstream.providers.http import HttpProvider
 from gateway.upstream.providers.llamacpp import LlamaCppProvider
 from gateway.upstream.providers.ollama import OllamaProvider
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
         OpenAIBackend | AzureBackend | VLLMBackend | TGIBackend | LlamaCppBackend | OllamaBackend | AnthropicBackend
     )
     from gateway.telemetry.metrics import Meter
-    from gateway.upstream.providers.base import Provider, UpstreamResponse
+    from gateway.upstream.providers.base import Provider
 
 log = logging.getLogger("sluice.upstream")
 
@@ -65,6 +66,9 @@ PASSED_ON_ERROR = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry
 @dataclass(slots=True)
 class Opened:
     """A committed upstream answer: its head, and what of the body was read before committing."""
+
+    # Its fields' types are imported at run time, not only for the type checker: compiled, the dataclass
+    # reads them when the module loads.
 
     response: UpstreamResponse
     first: bytes
@@ -218,6 +222,7 @@ class Upstreams:
                     break
                 await asyncio.sleep(wait)
             started = time.perf_counter()
+            failed: errors.GatewayError | None = None
             try:
                 if hedge is not None:
                     opened, target = await self._hedged(ex, target, hedge, ex.hedge_after_ms or 0.0)
@@ -232,19 +237,22 @@ class Upstreams:
                 ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
                 if not _retryable(exc):
                     raise
-                failure = exc
+                failed = exc
+            finally:
+                ex.upstream_ms += (time.perf_counter() - started) * 1000.0
+            # A failure is handled after the `finally` rather than by a `continue` inside it: mypyc cannot compile that.
+            if failed is not None:
+                failure = failed
                 if hedge is not None and ex.hedged:
                     plan.skip()  # the hedge was tried too
                 log.info(
                     "model %s on %s failed (%s: %s)",
                     target.model,
                     target.backend,
-                    exc.status,
-                    exc.detail or exc.message,
+                    failed.status,
+                    failed.detail or failed.message,
                 )
                 continue
-            finally:
-                ex.upstream_ms += (time.perf_counter() - started) * 1000.0
             ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, 0))
             _served(ex, opened, target, failure)
             return opened

@@ -32,7 +32,8 @@ from gateway.server.loop import running_loop
 from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
 from gateway.server.reply import BODY_FOLLOWS, JSON, end_early, send_pieces, send_whole
 from gateway.telemetry.access import access_line
-from gateway.telemetry.recorder import ms_value, server_timing
+from gateway.telemetry.durations import ms_value
+from gateway.telemetry.recorder import server_timing
 from gateway.upstream.attempts import Opened
 from gateway.wire.marks import stream_rules
 

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gateway.telemetry.durations import ms_text
+
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Outcome
@@ -214,11 +216,8 @@ def server_timing_text(entry: Entry) -> str:
 
 
 def dur(ms: float) -> str:
-    """A duration as `server-timing` writes it (telemetry/recorder.py): under a millisecond rounded half up to
-    the microsecond, as its table does, else three decimals."""
-    if ms >= 0.0 and (us := int(ms * 1000.0 + 0.5)) < 1000:
-        return f"0.{us:03d}"
-    return f"{ms:.3f}"
+    """A duration as `server-timing` writes it (telemetry/recorder.py)."""
+    return ms_text(ms)
 
 
 def percentiles(entries: Iterable[Entry], since: float, step_s: float) -> dict[str, Any]:

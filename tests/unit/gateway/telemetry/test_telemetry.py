@@ -32,6 +32,7 @@ from gateway.plugin import BUILTIN, Configured, Outcome, load_class, schema_of
 from gateway.runtime import Runtime
 from gateway.settings import Settings, TelemetrySettings
 from gateway.telemetry import tracecontext
+from gateway.telemetry.durations import ms_text, ms_value
 from gateway.telemetry.metrics import Metrics, TenantLabels
 from gateway.telemetry.otlp import LeanOTLPSpanExporter
 from gateway.telemetry.recorder import server_timing
@@ -649,6 +650,21 @@ def test_server_timing() -> None:
     assert server_timing([("parse", 0.02), ("upstream", 152.3041)], 0.31) == (
         b"parse;dur=0.020, upstream;dur=152.304, overhead;dur=0.310"
     )
+
+
+@given(st.floats(0.0, 1e8) | st.sampled_from([-2.5, float("nan"), float("inf"), 1e12, 0.9995, 999.9995]))
+def test_a_duration_is_written_as_a_float_format_writes_it(ms: float) -> None:
+    # The tables round half up on the microsecond where the format rounds the float's exact binary value: they
+    # may differ in the last digit only at a tie, which a value drawn at random never is.
+    written = ms_text(ms)
+    assert ms_value(ms) == written.encode()
+    if not 0.0 <= ms < 1e9:
+        assert written == f"{ms:.3f}"
+        return
+    assert len(written.partition(".")[2]) == 3
+    assert abs(float(written) - ms) <= 0.0005 + 1e-9
+    if abs(ms * 1000.0 % 1.0 - 0.5) > 1e-3:
+        assert written == f"{ms:.3f}"
 
 
 # -- the compose stack: no Docker engine here, so its files are checked for what they promise ----------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import zlib
 from typing import Any
 
@@ -44,9 +43,10 @@ MAX_DEPTH = 128
 # Top-level fields whose value the gateway decides on (routing, authorisation of the model, what a limit charges,
 # the cache's determinism, ownership of stored objects, streaming). JSON leaves a repeated key to the reader
 # (RFC 8259: "the names within an object SHOULD be unique"): orjson keeps the last, another parser may keep the
-# first, so a body that repeats one of these could be judged on one value and served on the other. One pass of
-# this pattern finds every candidate key; only a body in which one of them is found twice (a repeat, or the same
-# name nested deeper, e.g. in a tool's schema) is parsed again, keeping pairs.
+# first, so a body that repeats one of these could be judged on one value and served on the other. A key
+# repeated at the top level is among the parsed object's keys, so only those are looked for in the body, each
+# as its quoted name; only a body in which one is found twice (a repeat, the same name nested deeper, e.g. in a
+# tool's schema, or a string value that equals it) is parsed again, keeping pairs.
 DECIDED = (
     "model",
     "stream",
@@ -61,12 +61,10 @@ DECIDED = (
     "previous_response_id",
     "conversation",
 )
-# DECIDED as one factored alternation (a shared prefix is tried once): about half the time of the plain list
-# on a 2 KB body (1.9 µs against 3.7 here).
-DECIDED_KEYS = re.compile(
-    rb'"(model|stream(?:_options)?|n|max_(?:completion_|output_)?tokens|temperature|seed|background'
-    rb'|previous_response_id|conversation)"\s*:'
-)
+# Each name with its quoted form as a body writes it plainly (a name written with escapes, "mod\u0065l", is not
+# found so, as it was not by the regular expression over the body this replaces; that expression cost a compiled
+# request 11k instructions for a 130-byte body, a count in C for each deciding key the request has far less).
+QUOTED = tuple((name, b'"' + name.encode() + b'"') for name in DECIDED)
 
 
 class ClientGone(Exception):
@@ -175,9 +173,11 @@ def too_deep(data: dict[str, Any], limit: int) -> bool:
 
 def repeated(body: bytes, data: dict[str, Any]) -> str | None:
     """The first field of DECIDED that the body's top-level object has more than once, else None."""
-    found = DECIDED_KEYS.findall(body)
-    if len(found) < 2 or len(set(found)) == len(found):
-        return None  # no name matched twice anywhere in the body: none can be repeated at the top level
+    for name, quoted in QUOTED:
+        if name in data and body.count(quoted) > 1:
+            break
+    else:
+        return None  # no name the gateway decides on appears twice anywhere: none is repeated at the top level
     top: list[list[tuple[str, Any]]] = []
 
     def keep(pairs: list[tuple[str, Any]]) -> None:

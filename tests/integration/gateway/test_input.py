@@ -37,6 +37,12 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
         (b'{"model":"chat-small","messages":"hi"}', "messages"),
         (b'{"model":"chat-small","messages":[]}', "messages"),
         (b'{"model":"chat-small","messages":[{"role":"user","content":"hi"}],"stream":"yes"}', "stream"),
+        # A field the gateway decides on, given twice: one parser could judge the first, another serve the last.
+        (b'{"model":"chat-small","messages":[{"role":"user","content":"hi"}],"model" : "chat-large"}', "model"),
+        (
+            b'{"model":"chat-small","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"max_tokens":9}',
+            "max_tokens",
+        ),
     ],
 )
 def test_malformed_requests_get_400(quickstart: RunningGateway, body: bytes, param: str | None) -> None:

@@ -103,10 +103,15 @@ def usage_at(data: bytes, at: int) -> tuple[int, int] | None:
 
 def _object_end(data: bytes, opening: int) -> int:
     """Where the object whose `{` is at `opening` ends (after its `}`), or -1 if it does not end in `data`: the
-    first `}` after which as many braces have closed as opened (a flat object: one find and two counts)."""
-    close = data.find(b"}", opening)
-    while close >= 0:
-        if data.count(b"{", opening, close) == data.count(b"}", opening, close + 1):
-            return close + 1
-        close = data.find(b"}", close + 1)
-    return -1
+    first `}` after which as many braces have closed as opened. Each step finds the next `}` and counts the `{`
+    since the last one, so every byte is read twice at most (a flat object: one find and one count)."""
+    depth = 1
+    start = opening + 1
+    while True:
+        close = data.find(b"}", start)
+        if close < 0:
+            return -1
+        depth += data.count(b"{", start, close) - 1
+        start = close + 1
+        if depth <= 0:
+            return start

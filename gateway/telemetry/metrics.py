@@ -39,7 +39,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from gateway import __version__
 from gateway.telemetry import metric_files
-from gateway.telemetry.series import Row, Series, prompt_cache
+from gateway.telemetry.series import HISTOGRAMS, Series, prompt_cache
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -246,6 +246,11 @@ class Metrics:
             (*names[:4], "direction"),
             registry=registry,
         )
+        # Each request histogram's bucket bounds as its children observe them (seconds, the last +Inf): a series
+        # counts its requests into these buckets itself (series.py).
+        self.bounds: tuple[tuple[float, ...], ...] = tuple(
+            tuple(getattr(self, name)._upper_bounds) for name in HISTOGRAMS
+        )
 
     # -- the request path ---------------------------------------------------------------------------------
 
@@ -273,23 +278,18 @@ class Metrics:
         status = outcome.status
         usage = outcome.usage or NO_USAGE
         ok = status < 400  # an error body is no first token
-        row: Row = (
-            status,
-            total_ms,
-            outcome.ttft_ms if ok else None,
-            outcome.tpot_ms if ok else None,
-            ex.upstream_ms if ex.attempts else None,
-            ex.overhead_ms,
-            usage.get("prompt_tokens"),
-            usage.get("completion_tokens"),
-            *prompt_cache(usage),
-        )
+        read, written = prompt_cache(usage)
+        counts = (usage.get("prompt_tokens"), usage.get("completion_tokens"), read, written)
+        ttft_ms = outcome.ttft_ms if ok else None
+        tpot_ms = outcome.tpot_ms if ok else None
+        upstream_ms = ex.upstream_ms if ex.attempts else None
         # Exemplars only where they can be shown: the multiprocess files do not keep them.
         if trace_id is not None and self.exemplars:
-            row = series.observe_traced(row, {"trace_id": trace_id})
-        rows = series.rows
-        rows.append(row)
-        if len(rows) >= self.batch:
+            exemplar = {"trace_id": trace_id}
+            series.record_traced(status, total_ms, ttft_ms, tpot_ms, upstream_ms, ex.overhead_ms, counts, exemplar)
+        else:
+            series.record(status, total_ms, ttft_ms, tpot_ms, upstream_ms, ex.overhead_ms, counts)
+        if series.held >= self.batch:
             series.flush()
         if ex.fallback is not None:
             self.fallbacks.labels(ex.model, series.labels[2], ex.fallback).inc()

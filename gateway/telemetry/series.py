@@ -1,119 +1,164 @@
-"""One label tuple's request series: the values of its requests, held as rows and added to Prometheus in batches.
+"""One label tuple's request series: each request's values counted into buckets as it ends, added to Prometheus
+in batches.
 
-`Metrics.record` appends one row a request; `flush` adds them all to the labelled children, filtering,
-converting and bucketing each column in C (metrics.py says when).
+`Metrics.record` hands one request's values to `Series.record`, the only per-request work: each latency found
+its bucket (a bisection of the bounds, in C) and counted there in a plain list, with the histogram's sum, the
+status and the token counts. `flush` adds those counts to the labelled children, one lock per bucket that
+moved (metrics.py says when).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter as Tally
-from functools import partial
-from operator import is_not, lt
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gateway.telemetry.metrics import Metrics
 
 CLIENT_CLOSED = "499"  # the client left before the response head: no status was ever sent
-# The histograms a row observes, in its column order: the Metrics attributes of the request series.
+# The histograms a request observes, in the order Series.record takes their values: the Metrics attributes of
+# the request series.
 HISTOGRAMS = ("duration", "ttft", "tpot", "upstream", "overhead")
-# One request's values as record() keeps them: (status, duration, ttft, tpot, upstream, overhead in ms, input
-# tokens, output tokens, of the input those read from the provider's prompt cache and those written to it). A
-# histogram's None is no observation (overhead: 0 or less is none); token counts are as the usage reported
-# them, if at all, and only positive integers count.
-Row = tuple[int, float | None, float | None, float | None, float | None, float, Any, Any, Any, Any]
-SECONDS = (1000.0).__rtruediv__  # ms -> ms / 1000.0, in C
-KEEP = (  # per histogram of HISTOGRAMS: which of a column's values it observes, tested in C
-    partial(is_not, None),
-    partial(is_not, None),
-    partial(is_not, None),
-    partial(is_not, None),
-    partial(lt, 0),  # 0 < overhead: a head was sent
-)
+DIRECTIONS = ("input", "output", "cache_read", "cache_write")  # the token counts, in the order record takes them
 
 
 class Series:
     """The labelled children of one (tenant, model, served_model, backend, stream, cache) tuple.
 
-    Children are made on first use, so that a cache hit, say, has no empty upstream or token series. A request's
-    values wait here as one tuple (its row), appended by `Metrics.record`, the only per-request work; `flush`
-    adds them all to the children, filtering, converting and bucketing each column in C.
+    Children are made on first use, so that a cache hit, say, has no empty upstream or token series. What the
+    requests recorded since the last flush add up to waits here: per histogram its bucket counts, its sum and
+    how many it observed; per status a count; per token direction a sum.
     """
 
-    __slots__ = ("children", "labels", "metrics", "rows", "stream")
+    __slots__ = (
+        "bounds",
+        "buckets",
+        "children",
+        "held",
+        "labels",
+        "metrics",
+        "seen",
+        "statuses",
+        "stream",
+        "sums",
+        "tokens",
+    )
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
         self.metrics = metrics
         self.labels = labels
         self.children: dict[str | int, Any] = {}  # histogram name, status code or token direction -> child
         self.stream = labels[4] == "true"
-        self.rows: list[Row] = []  # one per request whose values wait here
+        # Per histogram, its upper bounds in seconds, the last +Inf, as prometheus_client's observe() walks them.
+        self.bounds: tuple[tuple[float, ...], ...] = metrics.bounds
+        self.buckets: list[list[int]] = [[0] * len(bounds) for bounds in self.bounds]
+        self.sums: list[float] = [0.0] * len(HISTOGRAMS)
+        self.seen: list[int] = [0] * len(HISTOGRAMS)
+        self.statuses: dict[int, int] = {}
+        self.tokens: list[int] = [0] * len(DIRECTIONS)
+        self.held = 0  # requests recorded since the last flush
 
-    @property
-    def held(self) -> int:
-        """Requests whose values wait here."""
-        return len(self.rows)
+    def record(
+        self,
+        status: int,
+        duration_ms: float | None,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        upstream_ms: float | None,
+        overhead_ms: float,
+        counts: tuple[Any, Any, Any, Any],
+    ) -> None:
+        """One request's values: its latencies in milliseconds (None, and an overhead of 0 or less: no
+        observation), its status and its token counts as the usage reported them (only positive integers
+        count)."""
+        self.held += 1
+        statuses = self.statuses
+        statuses[status] = statuses.get(status, 0) + 1
+        if duration_ms is not None:
+            self._observe(0, duration_ms)
+        if ttft_ms is not None:
+            self._observe(1, ttft_ms)
+        if tpot_ms is not None:
+            self._observe(2, tpot_ms)
+        if upstream_ms is not None:
+            self._observe(3, upstream_ms)
+        if overhead_ms > 0.0:
+            self._observe(4, overhead_ms)
+        tokens = self.tokens
+        for index, count in enumerate(counts):
+            if isinstance(count, int) and count > 0:
+                tokens[index] += count
 
-    def observe_traced(self, row: Row, exemplar: dict[str, str]) -> Row:
-        """A request with an exemplar (its trace id): its observations put on their buckets with it at once, and
-        the rest of its row (status, tokens) returned to wait."""
-        status, duration, ttft, tpot, upstream, overhead, *counts = row
-        for name, keep, ms in zip(HISTOGRAMS, KEEP, (duration, ttft, tpot, upstream, overhead), strict=True):
-            if ms is not None and keep(ms):
+    def _observe(self, index: int, ms: float) -> None:
+        seconds = ms / 1000.0
+        self.seen[index] += 1
+        self.sums[index] += seconds
+        if seconds == seconds:  # NaN goes in no bucket, as observe() puts it (its sum becomes NaN)
+            self.buckets[index][bisect_left(self.bounds[index], seconds)] += 1
+
+    def record_traced(
+        self,
+        status: int,
+        duration_ms: float,
+        ttft_ms: float | None,
+        tpot_ms: float | None,
+        upstream_ms: float | None,
+        overhead_ms: float,
+        counts: tuple[Any, Any, Any, Any],
+        exemplar: dict[str, str],
+    ) -> None:
+        """A request with an exemplar (its trace id): its latencies put on their buckets with it at once, and the
+        rest (status, tokens) recorded to wait."""
+        latencies = (duration_ms, ttft_ms, tpot_ms, upstream_ms, overhead_ms if overhead_ms > 0.0 else None)
+        for name, ms in zip(HISTOGRAMS, latencies, strict=True):
+            if ms is not None:
                 self._child(name).observe(ms / 1000.0, exemplar)
-        return (status, None, None, None, None, 0.0, *counts)
+        self.record(status, None, None, None, None, 0.0, counts)
 
     def flush(self) -> None:
-        """Every waiting value into the Prometheus children: one lock per histogram sum and bucket, per counter;
-        and the requests out of flight."""
-        rows = self.rows
-        if not rows:
+        """What the recorded requests add up to into the Prometheus children, one lock per bucket, sum and counter
+        that moved; and the requests out of flight."""
+        held = self.held
+        if not held:
             return
-        statuses, *observed, prompts, completions, reads, writes = zip(*rows, strict=True)
-        rows.clear()
-        for name, keep, column in zip(HISTOGRAMS, KEEP, observed, strict=True):
-            values = list(map(SECONDS, filter(keep, column)))
-            if values:
-                add(self._child(name), values)
+        self.held = 0
+        seen = self.seen
+        for index, name in enumerate(HISTOGRAMS):
+            if seen[index]:
+                child = self._child(name)
+                child._sum.inc(self.sums[index])
+                counted = self.buckets[index]
+                targets = child._buckets
+                for at, n in enumerate(counted):
+                    if n:
+                        targets[at].inc(n)
+                        counted[at] = 0
+                seen[index] = 0
+                self.sums[index] = 0.0
         children = self.children
-        for status, n in Tally(statuses).items():
+        for status, n in self.statuses.items():
             child = children.get(status)
             if child is None:
                 label = str(status) if status else CLIENT_CLOSED
                 child = children[status] = self.metrics.requests.labels(*self.labels, label)
             child.inc(n)
-        for direction, column in (
-            ("input", prompts),
-            ("output", completions),
-            ("cache_read", reads),
-            ("cache_write", writes),
-        ):
-            n = tokens(column)
+        self.statuses.clear()
+        tokens = self.tokens
+        for index, direction in enumerate(DIRECTIONS):
+            n = tokens[index]
             if n:
                 child = children.get(direction)
                 if child is None:
                     child = children[direction] = self.metrics.tokens.labels(*self.labels[:4], direction)
                 child.inc(n)
-        self.metrics.ended(self.stream, len(statuses))
+                tokens[index] = 0
+        self.metrics.ended(self.stream, held)
 
     def _child(self, name: str) -> Any:
         child = self.children.get(name)
         if child is None:
             child = self.children[name] = getattr(self.metrics, name).labels(*self.labels)
         return child
-
-
-def add(child: Any, values: list[float]) -> None:
-    """Values into a histogram child as its observe() would put them, with its sum once and each bucket's count
-    once; the bucket of each value (the first bound at or above it) is found and counted in C."""
-    total = sum(values)
-    child._sum.inc(total)
-    if total != total:  # a NaN among them (or both infinities): observe() puts NaN in no bucket
-        values = [value for value in values if value == value]
-    buckets = child._buckets  # the last bound is +Inf: every other value has a bucket
-    for at, n in Tally(map(partial(bisect.bisect_left, child._upper_bounds), values)).items():
-        buckets[at].inc(n)
 
 
 def prompt_cache(usage: dict[str, Any]) -> tuple[Any, Any]:
@@ -127,13 +172,3 @@ def prompt_cache(usage: dict[str, Any]) -> tuple[Any, Any]:
             read = details.get("cached_tokens") if type(details) is dict else None
         return read, None
     return read, usage.get("cache_creation_input_tokens")
-
-
-def tokens(column: tuple[Any, ...]) -> int:
-    """The sum of a column's token counts that are positive integers (None, 0 and anything else count none)."""
-    counts = list(filter(None, column))
-    if not counts:
-        return 0
-    if set(map(type, counts)) == {int} and min(counts) > 0:  # as upstreams report them: summed in C
-        return sum(counts)
-    return sum(n for n in counts if isinstance(n, int) and n > 0)

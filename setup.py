@@ -32,18 +32,47 @@ MANIFEST = Path("gateway") / "_compiled.json"
 GROUP = "gateway._compiled"  # the shared library of the group: gateway/_compiled__mypyc.*.so
 # What each module gave and what it needed is in docs/architecture.md. Not compiled: gateway/server/protocol.py
 # (its Cycle subclasses uvicorn's interpreted cycle, whose attributes mypyc's IR builder cannot see), the cache's
-# Flight (an async generator, plugins/cache/flight.py) and the plugins' pydantic models (their config.py modules).
+# Flight (an async generator, plugins/cache/flight.py), the plugins' pydantic models (their config.py modules) and
+# gateway/context.py (its Exchange keeps defaults as class attributes that a request's own may override). A class
+# compiled here cannot be subclassed by an interpreted one: the providers are compiled together for that reason.
 MODULES = [
     "gateway/state/resp.py",
     "gateway/wire/marks.py",
     "gateway/wire/completion.py",
     "gateway/upstream/pool.py",
+    "gateway/upstream/connection.py",
+    "gateway/upstream/attempts.py",
+    "gateway/upstream/endpoints.py",
+    "gateway/upstream/health.py",
+    "gateway/upstream/providers/http.py",
+    "gateway/upstream/providers/openai.py",
+    "gateway/upstream/providers/azure.py",
+    "gateway/upstream/providers/anthropic.py",
+    "gateway/upstream/providers/selfhosted.py",
+    "gateway/upstream/providers/vllm.py",
+    "gateway/upstream/providers/llamacpp.py",
+    "gateway/upstream/providers/tgi.py",
+    "gateway/upstream/providers/ollama.py",
+    "gateway/server/intake.py",
+    "gateway/server/responder.py",
+    "plugins/auth/authenticator.py",
+    "plugins/auth/keys.py",
+    "plugins/admission/controller.py",
+    "plugins/admission/queue.py",
+    "plugins/slo/policy.py",
     "gateway/server/relay.py",
     "gateway/server/request.py",
     "gateway/telemetry/metrics.py",
     "gateway/telemetry/recorder.py",
     "gateway/telemetry/tracing.py",
     "gateway/telemetry/spans.py",
+    "gateway/telemetry/access.py",
+    "gateway/telemetry/durations.py",
+    "gateway/telemetry/console.py",
+    "gateway/telemetry/series.py",
+    "gateway/telemetry/span_queue.py",
+    "gateway/telemetry/tracecontext.py",
+    "gateway/telemetry/quantiles.py",
     "plugins/rate_limit/limiter.py",
     "plugins/rate_limit/buckets.py",
     "plugins/rate_limit/concurrency.py",

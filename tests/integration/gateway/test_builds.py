@@ -35,6 +35,12 @@ REQUEST_PATH_TESTS = (
     "tests/integration/plugins/test_rate_limit.py",
     "tests/integration/gateway/test_messages.py",
     "tests/integration/plugins/test_admission.py",
+    "tests/integration/plugins/test_auth.py",
+    "tests/unit/plugins/test_slo.py",
+    "tests/integration/plugins/test_slo.py",
+    "tests/integration/gateway/test_backends.py",
+    "tests/integration/gateway/test_routing.py",
+    "tests/integration/gateway/test_console.py",
 )
 RUN_TIMEOUT_S = 1200.0
 

@@ -229,10 +229,10 @@ class Pipeline:
         except errors.GatewayError as exc:
             outcome.error = exc.detail or exc.message  # the log's: what the client's message leaves out
             return Reply(status=exc.status, headers=[JSON, *exc.headers], body=exc.body(), source="error")
-        except Exception as exc:
+        except Exception as bug:  # named apart from `exc`: compiled, a name bound by two clauses has one type
             # A bug in a plugin or here must still get an answer in the client's format, and a log line.
             log.exception("request %s failed inside the gateway", ex.request_id)
-            error = errors.GatewayError(f"internal gateway error ({type(exc).__name__})", code="internal_error")
+            error = errors.GatewayError(f"internal gateway error ({type(bug).__name__})", code="internal_error")
             outcome.error = error.message
             return Reply(status=500, headers=[JSON], body=error.body(), source="error")
         except asyncio.CancelledError:

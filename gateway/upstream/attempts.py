@@ -231,8 +231,8 @@ class Upstreams:
                 else:  # no deadline, no hedge: the attempt in this frame, one fewer that a waiting request holds
                     try:
                         opened = await self._first(ex, target, False)
-                    except PoolError as exc:
-                        raise self._pool_failure(exc, target) from None
+                    except PoolError as lost:  # named apart: compiled, a name bound by two clauses has one type
+                        raise self._pool_failure(lost, target) from None
             except errors.GatewayError as exc:
                 ex.attempts.append((target.model, (time.perf_counter() - started) * 1000.0, exc.status))
                 if not _retryable(exc):

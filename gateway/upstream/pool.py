@@ -240,8 +240,8 @@ class Pool:
                 ),
                 self.limits.connect_timeout,
             )
-        except TimeoutError as exc:
-            raise ConnectTimeout(f"connect to {self.origin.host_header} timed out") from exc
+        except TimeoutError as late:  # named apart: compiled, a name bound by two clauses has one type
+            raise ConnectTimeout(f"connect to {self.origin.host_header} timed out") from late
         except (OSError, ssl.SSLError) as exc:
             if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise DescriptorsExhausted(f"no file descriptor left to connect to {self.origin.host_header}") from exc

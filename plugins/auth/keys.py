@@ -160,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
             else:
                 print(f"sluice keys revoke: sha256:{hexdigest[:8]}... is not in Redis at {url}", file=sys.stderr)
             return 1
-    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as exc:
-        print(f"sluice keys: Redis at {url} is unavailable: {exc}", file=sys.stderr)
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as lost:  # one type a name, compiled
+        print(f"sluice keys: Redis at {url} is unavailable: {lost}", file=sys.stderr)
         return 1
     return 0

@@ -68,7 +68,6 @@ MODULES = [
     "gateway/telemetry/spans.py",
     "gateway/telemetry/access.py",
     "gateway/telemetry/durations.py",
-    "gateway/telemetry/console.py",
     "gateway/telemetry/series.py",
     "gateway/telemetry/span_queue.py",
     "gateway/telemetry/tracecontext.py",

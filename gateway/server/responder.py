@@ -16,6 +16,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from gateway.server.reply import BODY_FOLLOWS
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class Responder(Protocol):
     def unwatch(self) -> None: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the WebSocket turn's responder (responses/socket_responder.py)
 class Watcher:
     """A disconnect learnt from an ASGI `receive`: a read of it started WATCH_AFTER_S into the request."""
 

@@ -42,6 +42,7 @@ REQUEST_PATH_TESTS = (
     "tests/integration/gateway/test_routing.py",
     "tests/integration/gateway/test_console.py",
     "tests/integration/gateway/test_telemetry.py",
+    "tests/integration/gateway/test_websocket.py",
 )
 RUN_TIMEOUT_S = 1200.0
 

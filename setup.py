@@ -32,9 +32,9 @@ MANIFEST = Path("gateway") / "_compiled.json"
 GROUP = "gateway._compiled"  # the shared library of the group: gateway/_compiled__mypyc.*.so
 # What each module gave and what it needed is in docs/architecture.md. Not compiled: gateway/server/protocol.py
 # (its Cycle subclasses uvicorn's interpreted cycle, whose attributes mypyc's IR builder cannot see), the cache's
-# Flight (an async generator, plugins/cache/flight.py), the plugins' pydantic models (their config.py modules) and
-# gateway/context.py (its Exchange keeps defaults as class attributes that a request's own may override). A class
-# compiled here cannot be subclassed by an interpreted one: the providers are compiled together for that reason.
+# Flight (an async generator, plugins/cache/flight.py) and the plugins' pydantic models (their config.py modules). A
+# class compiled here cannot be subclassed by an interpreted one unless it says so (tests/unit/test_compiled_rules.py):
+# the providers are compiled together for that reason.
 MODULES = [
     "gateway/state/resp.py",
     "gateway/wire/marks.py",
@@ -67,7 +67,9 @@ MODULES = [
     "gateway/telemetry/tracing.py",
     "gateway/telemetry/spans.py",
     "gateway/telemetry/access.py",
+    "gateway/telemetry/console.py",
     "gateway/telemetry/durations.py",
+    "gateway/context.py",
     "gateway/telemetry/series.py",
     "gateway/telemetry/span_queue.py",
     "gateway/telemetry/tracecontext.py",

@@ -11,11 +11,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+# At run time, not only for the type checker: compiled, the dataclass below reads its fields' types at import.
+from gateway.settings import ModelSettings
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from gateway.settings import ModelSettings
     from gateway.upstream.providers.base import Provider
+
+# The provider's protocol, which compiled code does not check, named at run time too (the contract imports no
+# upstream module).
+globals().setdefault("Provider", object)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +70,6 @@ class Exchange:
     # Fields a plugin adds to the upstream body, per backend name (the admission plugin: vLLM's `priority`,
     # OpenAI's `service_tier`); None, the default, sends the client's body as it came.
     upstream_fields: Mapping[str, Mapping[str, Any]] | None = None
-    # Set by a plugin: per endpoint label, what least_outstanding weighs before load (the admission plugin: the
-    # top-class requests in flight there, which an engine that preempts by priority cannot pause for this one).
-    route_bias: RouteBias | None = None
     # Headers for the response that a plugin knows before the answer (the rate limits, the priority class):
     # added to the head where on_response hooks add theirs, without a hook to run (add_response_headers).
     response_headers: list[tuple[bytes, bytes]] | None = None
@@ -100,6 +103,11 @@ class Exchange:
         self.state: dict[str, Any] = {}
         self.labels: dict[str, str] = {}  # metric label -> value, for the labels plugins declare
         self.attributes: dict[str, str | int | float | bool] = {}  # extra span attributes set by plugins
+        # Set by a plugin: per endpoint label, what least_outstanding weighs before load (the admission plugin: the
+        # top-class requests in flight there, which an engine that preempts by priority cannot pause for this one).
+        # Stored here rather than defaulted on the class: compiled, a class default of a callable protocol's type is
+        # not set on the instance.
+        self.route_bias: RouteBias | None = None
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header `name` (lower case), or None.

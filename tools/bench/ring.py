@@ -20,23 +20,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import cast
 
 from gateway.context import Exchange, Target
 from gateway.plugin import Outcome
 from gateway.server.collector import NEVER
+from gateway.settings import ModelSettings
+from gateway.simulation.answers import Profile
 from gateway.telemetry.console import Ring
+from gateway.upstream.providers.simulated import SimulatedProvider
 
 LOOPS = (12_000, 22_000)  # both past the ring's 10,000: it is full, and each record lets the oldest go
 REQUESTS = 1000  # distinct prepared requests, recorded in turn
 COLLECTED = re.compile(rb"Collected : (\d+)")
 
 
+# What the pipeline leaves in `served`: a real Target (a compiled Exchange checks the class of what it holds).
+SERVED = Target("chat", "sim", "chat", ModelSettings(backend="sim"), SimulatedProvider(Profile(), "sim"))
+
+
 def prepared(i: int) -> tuple[Exchange, Outcome]:
     body = {"model": "chat", "messages": [], "stream": True}
     ex = Exchange(f"{i:032x}", "chat/completions", [], b"{}", body, time.perf_counter())
-    ex.served = cast(Target, SimpleNamespace(model="chat", backend="sim"))
+    ex.served = SERVED
     ex.timings = [("parse", 0.1), ("auth", 0.01), ("rate_limit", 0.01), ("cache", 0.2), ("pool", 0.0)]
     ex.timings.append(("upstream", 48.0))
     ex.upstream_ms = 48.0

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 import time
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 from gateway.context import Exchange, Target
 from gateway.plugin import Outcome
+from gateway.settings import ModelSettings
+from gateway.simulation.answers import Profile
 from gateway.telemetry import console
 from gateway.telemetry.console import ENTRY_BYTES, Ring
 from gateway.telemetry.recorder import server_timing
+from gateway.upstream.providers.simulated import SimulatedProvider
 
 
 def request(
@@ -20,7 +22,8 @@ def request(
     body = {"model": model, "messages": [], "stream": True}
     ex = Exchange(rid, "chat/completions", [], b"{}", body, time.perf_counter())
     ex.tenant = tenant
-    ex.served = cast(Target, SimpleNamespace(model=model, backend="sim"))
+    # A real Target, as the pipeline leaves: a compiled Exchange checks the class of what it holds.
+    ex.served = Target(model, "sim", model, ModelSettings(backend="sim"), SimulatedProvider(Profile(), "sim"))
     ex.timings = [("parse", 0.1234), ("auth", 0.0004999), ("cache", 0.2), ("route", 0.05), ("pool", 1.5)]
     ex.timings.append(("upstream", 48.25))
     ex.upstream_ms = 49.75

@@ -178,7 +178,14 @@ def waterfall(entry: Entry) -> dict[str, Any]:
             start = pool_start  # the upstream wait began with getting its connection
         kind = "upstream" if name in UPSTREAM_STAGES else "gateway"
         stages.append(
-            {"name": name, "start_ms": _ms(at), "ms": _ms(ms), "dur": dur(ms), "kind": kind, "wait_from_ms": _ms(start)}
+            {
+                "name": name,
+                "start_ms": _ms(at),
+                "ms": _ms(ms),
+                "dur": ms_text(ms),  # as the response's server-timing wrote it
+                "kind": kind,
+                "wait_from_ms": _ms(start),
+            }
         )
         at += ms
     overhead = entry[OVERHEAD]
@@ -195,7 +202,7 @@ def waterfall(entry: Entry) -> dict[str, Any]:
         **summary(entry),
         "stages": stages,
         "overhead_ms": _ms(overhead),
-        "overhead_dur": dur(overhead),
+        "overhead_dur": ms_text(overhead),
         "upstream_ms": _ms(entry[UPSTREAM]),
         "tpot_ms": _ms(entry[TPOT]),
         "marks": marks,
@@ -210,14 +217,9 @@ def waterfall(entry: Entry) -> dict[str, Any]:
 
 def server_timing_text(entry: Entry) -> str:
     """What the response's `server-timing` said (three decimals, as the header writes them)."""
-    parts = [f"{name};dur={dur(ms)}" for name, ms in entry[TIMINGS]]
-    parts.append(f"overhead;dur={dur(entry[OVERHEAD])}")
+    parts = [f"{name};dur={ms_text(ms)}" for name, ms in entry[TIMINGS]]
+    parts.append(f"overhead;dur={ms_text(entry[OVERHEAD])}")
     return ", ".join(parts)
-
-
-def dur(ms: float) -> str:
-    """A duration as `server-timing` writes it (telemetry/recorder.py)."""
-    return ms_text(ms)
 
 
 def percentiles(entries: Iterable[Entry], since: float, step_s: float) -> dict[str, Any]:

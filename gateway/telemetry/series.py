@@ -112,9 +112,9 @@ class Series:
             tokens[0] += prompts
         if isinstance(completions, int) and completions > 0:
             tokens[1] += completions
-        if read is not None and isinstance(read, int) and read > 0:
+        if isinstance(read, int) and read > 0:
             tokens[2] += read
-        if written is not None and isinstance(written, int) and written > 0:
+        if isinstance(written, int) and written > 0:
             tokens[3] += written
 
     def record_traced(

@@ -62,6 +62,8 @@ MODULES = [
     "plugins/slo/policy.py",
     "gateway/server/relay.py",
     "gateway/server/request.py",
+    "gateway/server/reply.py",
+    "gateway/response.py",
     "gateway/telemetry/metrics.py",
     "gateway/telemetry/recorder.py",
     "gateway/telemetry/tracing.py",

@@ -88,7 +88,7 @@ class Pipeline:
         """Steps 2 to 6 for an Exchange whose targets are set: the one entry, for every front door."""
         if self.telemetry is not None:
             self.telemetry.begin(ex)  # in flight from here; sets the traceparent the upstream gets
-        outcome = Outcome.begun()
+        outcome = Outcome(0)
         task = asyncio.current_task(running_loop())  # the loop held: asking costs a system call (server/loop.py)
         assert task is not None
         done = False

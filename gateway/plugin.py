@@ -45,12 +45,17 @@ attributes `sluice.<label>`), `ex.attributes[...]` for extra span attributes. It
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeAlias, TypeVar, overload
 
 from pydantic import BaseModel
 
+# Named here for plugins, which take the whole contract from this module.
+from gateway.response import Outcome as Outcome
+from gateway.response import Reply as Reply
+from gateway.response import ResponseHead as ResponseHead
+from gateway.response import Tap as Tap
 from gateway.settings import Strict
 
 if TYPE_CHECKING:
@@ -83,7 +88,6 @@ BUILTIN_COMMANDS = {
 # evaluate`), and the cache plugin neither knows of it nor imports it.
 COMMAND_ALIASES = {("cache", "evaluate"): "semantic"}
 
-Tap = Callable[[bytes], None]
 Problem = tuple[str, str]  # (YAML path, what is wrong there)
 
 
@@ -114,54 +118,6 @@ class Configured(Generic[SectionT, ModelT, TenantT]):
     section: SectionT
     models: Mapping[str, ModelT]  # every model of the config
     tenants: Mapping[str, TenantT]  # every tenant of the config
-
-
-@dataclass(slots=True)
-class Reply:
-    """An answer made by a plugin instead of an upstream: a whole body, or a stream of body pieces."""
-
-    status: int = 200
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
-    source: str = ""  # the plugin that answered
-    # The tokens upstreams spent on this answer, when a plugin called them for it (the cascade): the request's
-    # usage, as an upstream answer's would be. None: nothing was generated for it (a cache hit).
-    usage: dict[str, Any] | None = None
-
-
-@dataclass(slots=True)
-class ResponseHead:
-    status: int
-    headers: list[tuple[bytes, bytes]]  # what the client will get; plugins may append
-
-
-@dataclass
-class Outcome:
-    """What happened, known once the response has ended.
-
-    Not slotted, so that the defaults are class attributes and `begun()`, the pipeline's one per request,
-    stores only the status.
-    """
-
-    status: int
-    complete: bool = False  # the whole body reached the client (for streams: up to [DONE])
-    error: str | None = None  # why it did not, when it did not
-    client_gone: bool = False
-    ttft_ms: float | None = None  # streams: to the first chunk carrying content
-    tpot_ms: float | None = None  # streams: mean time per output token after the first
-    total_ms: float = 0.0
-    chunks: int = 0
-    usage: dict[str, Any] | None = None
-    usage_source: str = "upstream"  # "estimated": counted from a stream's events, the upstream sent none
-    source: str = "upstream"  # "upstream" or the plugin that answered
-
-    @classmethod
-    def begun(cls) -> Outcome:
-        """The outcome of a request that has just begun: nothing known but that no status was sent yet."""
-        outcome = object.__new__(cls)
-        outcome.status = 0
-        return outcome
 
 
 class Plugin(Protocol):

@@ -26,12 +26,12 @@ RANKS = {
     "upstream": 6,
     "simulation": 5,
     "telemetry": 4,
-    "contract": 3,  # gateway/__init__, settings, context, plugin, errors, handoff
+    "contract": 3,  # gateway/__init__, settings, context, plugin, response, errors, handoff
     "wire": 2,
     "state": 1,
 }
 TOP = {"app", "cli", "runtime", "config", "pipeline"}
-CONTRACT = {"settings", "context", "plugin", "errors", "handoff"}
+CONTRACT = {"settings", "context", "plugin", "response", "errors", "handoff"}
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def test_an_access_line_says_who_what_and_how_it_went() -> None:
 def test_a_client_gone_before_the_head_is_a_499() -> None:
     log, kept = logger()
     ex = Exchange("r-2", "chat/completions", [], b"{}", {"model": "m"}, time.perf_counter())
-    access_line(log, ex, Outcome.begun())
+    access_line(log, ex, Outcome(0))
     assert kept.records[0].getMessage() == "chat/completions 499"
 
 

@@ -73,6 +73,7 @@ MODULES = [
     "gateway/telemetry/durations.py",
     "gateway/context.py",
     "gateway/telemetry/series.py",
+    "gateway/telemetry/tally.py",
     "gateway/telemetry/span_queue.py",
     "gateway/telemetry/tracecontext.py",
     "gateway/telemetry/quantiles.py",

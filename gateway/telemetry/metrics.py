@@ -40,6 +40,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from gateway import __version__
 from gateway.telemetry import metric_files
 from gateway.telemetry.series import HISTOGRAMS, Series, prompt_cache
+from gateway.telemetry.tally import Tally
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -140,6 +141,7 @@ class Metrics:
         self.store = store
         self.store_seen = 0
         self.span_counters: dict[str, Any] = {}
+        self.tallies: list[Tally] = []  # the plugins' per-request counters, added at each flush
 
     def _gateway_families(self) -> None:
         """The gateway's own series: fallbacks, plugin refusals, Redis failures, spans, requests in flight,
@@ -361,6 +363,8 @@ class Metrics:
         requests in flight set."""
         for series in self.series.values():
             series.flush()
+        for tally in self.tallies:
+            tally.flush()
         if self.batched:  # after the flushes, which take the requests they count out of flight
             for stream, count in self.opened.items():
                 self.open[stream].set(count)
@@ -454,12 +458,19 @@ class Meter:
     """What a plugin is given to make series of its own in the gateway's registry (runtime.meter)."""
 
     def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
         self.registry = metrics.registry
         self.modes = metrics.gauge_modes
         self.tenant = metrics.tenant_label  # the bounded tenant label: use it for any tenant-labelled series
 
     def counter(self, name: str, documentation: str, labels: Iterable[str]) -> Counter:
         return Counter(name, documentation, tuple(labels), registry=self.registry)
+
+    def tally(self, name: str, documentation: str, labels: Iterable[str]) -> Tally:
+        """A counter that a request bumps (tally.py): its increments wait until the metrics are read."""
+        tally = Tally(self.counter(name, documentation, labels), self.metrics.batched)
+        self.metrics.tallies.append(tally)
+        return tally
 
     def gauge(
         self, name: str, documentation: str, labels: Iterable[str], mode: Literal["livesum", "livemin"] = "livesum"

@@ -9,8 +9,11 @@ moved (metrics.py says when).
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
+
+from prometheus_client.samples import Exemplar
 
 if TYPE_CHECKING:
     from gateway.telemetry.metrics import Metrics
@@ -36,6 +39,7 @@ class Series:
         "children",
         "held",
         "labels",
+        "marks",
         "metrics",
         "seen",
         "statuses",
@@ -57,6 +61,8 @@ class Series:
         self.statuses: dict[int, int] = {}
         self.tokens: list[int] = [0] * len(DIRECTIONS)
         self.held = 0  # requests recorded since the last flush
+        # Exemplars waiting for their buckets: (histogram index, seconds, the trace's labels, time.time()).
+        self.marks: list[tuple[int, float, dict[str, str], float]] = []
 
     def record(
         self,
@@ -128,13 +134,16 @@ class Series:
         counts: tuple[Any, Any, Any, Any],
         exemplar: dict[str, str],
     ) -> None:
-        """A request with an exemplar (its trace id): its latencies put on their buckets with it at once, and the
-        rest (status, tokens) recorded to wait."""
+        """A request with an exemplar (its trace id): recorded as any other, and its latencies noted to be set
+        as their buckets' exemplars when the series is flushed (the last one a bucket is given wins, as with
+        prometheus_client's observe)."""
+        self.record(status, duration_ms, ttft_ms, tpot_ms, upstream_ms, overhead_ms, counts)
         latencies = (duration_ms, ttft_ms, tpot_ms, upstream_ms, overhead_ms if overhead_ms > 0.0 else None)
-        for name, ms in zip(HISTOGRAMS, latencies, strict=True):
-            if ms is not None:
-                self._child(name).observe(ms / 1000.0, exemplar)
-        self.record(status, None, None, None, None, 0.0, counts)
+        now = time.time()
+        marks = self.marks
+        for index, ms in enumerate(latencies):
+            if ms is not None and ms == ms:  # NaN is in no bucket, and so the exemplar of none
+                marks.append((index, ms / 1000.0, exemplar, now))
 
     def flush(self) -> None:
         """What the recorded requests add up to into the Prometheus children, one lock per bucket, sum and counter
@@ -156,6 +165,13 @@ class Series:
                         counted[at] = 0
                 seen[index] = 0
                 self.sums[index] = 0.0
+        if self.marks:
+            last: dict[tuple[int, int], tuple[float, dict[str, str], float]] = {}  # a bucket keeps its last
+            for index, seconds, labels, stamp in self.marks:
+                last[index, bisect_left(self.bounds[index], seconds)] = (seconds, labels, stamp)
+            for (index, bucket), (seconds, labels, stamp) in last.items():
+                self._child(HISTOGRAMS[index])._buckets[bucket].set_exemplar(Exemplar(labels, seconds, stamp))
+            self.marks.clear()
         children = self.children
         for status, n in self.statuses.items():
             child = children.get(status)

@@ -13,6 +13,7 @@ from gateway.context import Exchange
 from gateway.plugin import Outcome
 from gateway.settings import TelemetrySettings
 from gateway.telemetry.metrics import BATCH, LATENCY_BUCKETS, OVERHEAD_BUCKETS, TPOT_BUCKETS, Metrics
+from gateway.telemetry.tally import Tally
 from gateway.upstream.attempts import Upstreams
 
 CONFIG = """
@@ -142,3 +143,23 @@ def test_a_series_adds_its_values_after_a_batch_of_requests() -> None:
         reference.record(ex, outcome, None)
     same(samples(metrics.registry), samples(reference.registry))
     assert all(series.held == 0 for series in metrics.series.values())
+
+
+def test_a_tally_waits_for_the_flush_and_adds_its_counts_once() -> None:
+    registry = CollectorRegistry()
+    tally = Tally(Counter("hits", "Hits.", ("tenant", "result"), registry=registry), batched=True)
+    for result in ("hit", "miss", "hit"):
+        tally.add(("acme", result))
+    assert registry.get_sample_value("hits_total", {"tenant": "acme", "result": "hit"}) is None
+    tally.flush()
+    tally.flush()  # nothing more waits: nothing added twice
+    assert registry.get_sample_value("hits_total", {"tenant": "acme", "result": "hit"}) == 2
+    assert registry.get_sample_value("hits_total", {"tenant": "acme", "result": "miss"}) == 1
+
+
+def test_an_unbatched_tally_counts_at_once() -> None:
+    """prometheus_client's own multiprocess mode reads each value from its file as it changes."""
+    registry = CollectorRegistry()
+    tally = Tally(Counter("hits", "Hits.", ("tenant",), registry=registry), batched=False)
+    tally.add(("acme",))
+    assert registry.get_sample_value("hits_total", {"tenant": "acme"}) == 1

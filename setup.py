@@ -37,6 +37,7 @@ GROUP = "gateway._compiled"  # the shared library of the group: gateway/_compile
 # the providers are compiled together for that reason.
 MODULES = [
     "gateway/state/resp.py",
+    "gateway/state/store.py",
     "gateway/wire/marks.py",
     "gateway/wire/completion.py",
     "gateway/upstream/pool.py",
@@ -83,6 +84,7 @@ MODULES = [
     "plugins/rate_limit/lease.py",
     "plugins/rate_limit/sync.py",
     "plugins/cache/exact.py",
+    "plugins/cache/flight.py",
     "plugins/cache/l1.py",
     "plugins/cache/layout.py",
 ]

@@ -35,8 +35,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from gateway.state.cluster import Cluster
 from gateway.state.resp import Arg, Client, Redis, ReplyError, SlowReply, node_urls, parse_url
@@ -48,15 +47,14 @@ class StoreUnavailable(Exception):
     """Redis is down, slow or not configured: use the in-process fallback."""
 
 
-@dataclass(frozen=True, slots=True)
 class Script:
     """A Lua script run by its SHA1 (EVALSHA), loaded again when Redis has forgotten it (NOSCRIPT)."""
 
-    source: str
-    sha: str = field(init=False)
+    __slots__ = ("sha", "source")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+    def __init__(self, source: str) -> None:
+        self.source: Final = source
+        self.sha: Final = hashlib.sha1(source.encode()).hexdigest()
 
 
 def connect(url: str, **limits: Any) -> Client:
@@ -131,8 +129,8 @@ class Store:
             result = await self.client.call(command)
         except Exception as exc:
             raise self._trip(exc) from exc
-        except asyncio.CancelledError as exc:
-            raise self._stray(exc) from None
+        except asyncio.CancelledError as cancelled:  # its own name: compiled, an except name has one type
+            raise self._stray(cancelled) from None
         if self.down:
             self._recovered()
         return result
@@ -172,8 +170,8 @@ class Store:
             result = await call
         except Exception as exc:  # refused, reset, timed out, an error reply: all mean use the fallback
             raise self._trip(exc) from exc
-        except asyncio.CancelledError as exc:
-            raise self._stray(exc) from None
+        except asyncio.CancelledError as cancelled:  # its own name: compiled, an except name has one type
+            raise self._stray(cancelled) from None
         self._recovered()
         return result
 

@@ -63,7 +63,7 @@ ERROR_BODY_LIMIT = 64 * 1024
 PASSED_ON_ERROR = frozenset({b"retry-after", b"retry-after-ms", b"x-should-retry"})
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # __init__ written out: compiled, a dataclass's own is interpreted
 class Opened:
     """A committed upstream answer: its head, and what of the body was read before committing."""
 
@@ -72,7 +72,12 @@ class Opened:
 
     response: UpstreamResponse
     first: bytes
-    token_at: float = 0.0  # perf_counter() when the first token was seen, if it was looked for
+    token_at: float  # perf_counter() when the first token was seen, if it was looked for
+
+    def __init__(self, response: UpstreamResponse, first: bytes, token_at: float = 0.0) -> None:
+        self.response = response
+        self.first = first
+        self.token_at = token_at
 
 
 class Plan:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import orjson
 
@@ -24,12 +24,14 @@ from plugins.cache import layout
 from plugins.cache.config import CacheModel, CacheSection
 from plugins.cache.flight import Flight
 from plugins.cache.l1 import L1
+from plugins.cache.replay import follow
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
     from gateway.plugin import Outcome, ResponseHead
     from gateway.runtime import Runtime
     from gateway.settings import Settings
+    from gateway.telemetry.tally import Tally
 
 log = logging.getLogger("sluice.cache")
 
@@ -106,7 +108,7 @@ class Entry:
         return cls(endpoint, served, answer, fresh_until, fresh_until + stale_s)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # __init__ written out: compiled, a dataclass's own is interpreted
 class Lead:
     """ex.state["cache"] of the request that goes upstream and fills the entry."""
 
@@ -114,6 +116,12 @@ class Lead:
     policy: Policy
     flight: Flight | None
     store: bool
+
+    def __init__(self, key: str, policy: Policy, flight: Flight | None, store: bool) -> None:
+        self.key = key
+        self.policy = policy
+        self.flight = flight
+        self.store = store
 
 
 class Cache:
@@ -139,14 +147,13 @@ class Cache:
         self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
         self._pending: list[tuple[str, str, bytes, str, int]] = []  # SETs not yet sent to Redis
         self._writer: asyncio.Task[None] | None = None
-        self.results: Any = None  # sluice_cache_results_total, made at start-up
+        self.results: Tally | None = None  # sluice_cache_results_total, made at start-up
         self.tenant_label: Callable[[str], str] = str
-        self._counted: dict[tuple[str, str, str], Any] = {}
 
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
         self.tenant_label = runtime.meter.tenant
-        self.results = runtime.meter.counter(
+        self.results = runtime.meter.tally(
             "sluice_cache_results_total",
             "Cache lookups by result (hit, miss, bypass, stale).",
             ("tenant", "model", "result"),
@@ -229,7 +236,7 @@ class Cache:
             if flight.stream and ex.stream and flight.chunks and not (flight.done and flight.failed):
                 _mark(ex, HIT)
                 self.stats["followed"] += 1
-                return Reply(headers=[SSE_TYPE], stream=flight.follow(), source="cache")
+                return Reply(headers=[SSE_TYPE], stream=follow(flight), source="cache")
             while not flight.done:
                 if not await flight.changed(wait):
                     return None
@@ -299,11 +306,7 @@ class Cache:
     def on_complete(self, ex: Exchange, outcome: Outcome) -> None:
         result = ex.labels.get(LABEL)
         if result is not None and self.results is not None:
-            labels = (self.tenant_label(ex.tenant), ex.model, result)
-            child = self._counted.get(labels)
-            if child is None:  # a labels() lookup costs more than the increment: once per label tuple
-                child = self._counted[labels] = self.results.labels(*labels)
-            child.inc()
+            self.results.add((self.tenant_label(ex.tenant), ex.model, result))
         state = ex.state.get("cache")
         if not isinstance(state, Lead):
             return

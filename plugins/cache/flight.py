@@ -1,13 +1,10 @@
-"""One upstream call in progress that identical requests may follow. Apart from the plugin because its
-`follow` is an async generator, which mypyc does not compile: this module stays interpreted."""
+"""One upstream call in progress that identical requests may follow (its replay to a follower, an async
+generator, which mypyc does not compile, is replay.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
-
-from gateway.errors import UpstreamError
 
 if TYPE_CHECKING:
     from plugins.cache.exact import Entry
@@ -42,7 +39,8 @@ class Flight:
             if not changed.done():
                 changed.set_result(None)
 
-    def _waiter(self) -> asyncio.Future[None]:
+    def waiter(self) -> asyncio.Future[None]:
+        """What the next chunk or the end resolves; made only when someone waits."""
         if self._changed is None:
             self._changed = asyncio.get_running_loop().create_future()
         return self._changed
@@ -50,20 +48,7 @@ class Flight:
     async def changed(self, timeout: float) -> bool:
         """Wait for the next chunk or the end; False on timeout."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._waiter()), timeout)
+            await asyncio.wait_for(asyncio.shield(self.waiter()), timeout)
         except TimeoutError:
             return False
         return True
-
-    async def follow(self) -> AsyncIterator[bytes]:
-        """The leader's stream from its start, then live; an error event if it breaks off."""
-        sent = 0
-        while True:
-            while sent < len(self.chunks):
-                yield self.chunks[sent]
-                sent += 1
-            if self.done:
-                if self.failed:
-                    yield UpstreamError("the shared upstream answer broke off").sse_event()
-                return
-            await asyncio.shield(self._waiter())

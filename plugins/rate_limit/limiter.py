@@ -41,7 +41,7 @@ INFLIGHT = "rate_limit.inflight"  # ex.state: the tenant whose request this proc
 Config = Configured[RateLimitSection, Empty, RateLimitTenant]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)  # __init__ written out: compiled, a dataclass's own is interpreted
 class Reservation:
     """What on_request admitted, kept in ex.state for the headers and the correction."""
 
@@ -50,6 +50,13 @@ class Reservation:
     reserved: int  # tokens: prompt estimate + completion allowed
     completion: int  # the completion part, refunded when a request fails without usage
     route: Route | None  # the leases it was admitted from; None: decided by the in-process buckets
+
+    def __init__(self, plan: Plan, verdict: list[int], reserved: int, completion: int, route: Route | None) -> None:
+        self.plan = plan
+        self.verdict = verdict
+        self.reserved = reserved
+        self.completion = completion
+        self.route = route
 
 
 def estimate(ex: Exchange, default_max_tokens: int) -> tuple[int, int]:

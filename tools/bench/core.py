@@ -7,6 +7,7 @@ swapped every round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tools.bench.figures import (
@@ -22,7 +23,7 @@ from tools.bench.figures import (
     ms,
 )
 from tools.bench.load import Run, Samples, workload
-from tools.bench.rig import CORE_CONFIG, BenchOptions, Cells, GatewaySpec, Phase, Rig, add, rotated
+from tools.bench.rig import CORE_CONFIG, FLOOR, BenchOptions, Cells, GatewaySpec, Phase, Rig, add, rotated
 
 NAME = "core"
 GATEWAY = GatewaySpec(NAME, CORE_CONFIG)
@@ -30,6 +31,7 @@ TARGET_TTFT_MS = 0.6
 TARGET_RPS = 4000.0
 TARGET_CPU_MS = 0.25
 TARGET_GAP_MS = 0.1
+TARGET_FLOOR_RATIO = 0.7  # the bare gateway's CPU per non-stream request over the minimal Python proxy's
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class Core:
     gaps: list[GapRow]
     plain: list[Row]
     maxima: list[MaxRow]
+    floor: list[MaxRow]  # the minimal Python proxy (floor.py) in the same closed loops: its CPU per request
     through_requests: int
     through_with_overhead: int
     direct_with_overhead: int
@@ -50,7 +53,8 @@ async def measure(rig: Rig) -> Core:
     cells: Cells = {}
     runs: dict[tuple[str, str], list[Run]] = {}
     async with rig.phase(NAME) as phase:
-        direct, through = rig.direct(), rig.through(NAME)
+        await rig.start_floor()
+        direct, through, floor = rig.direct(), rig.through(NAME), rig.through(FLOOR)
         paced = workload("paced", True, o.tokens)
         plain = workload("fast", False, o.plain_tokens)
         flood = workload("fast", True, o.tokens)
@@ -62,9 +66,11 @@ async def measure(rig: Rig) -> Core:
                         target = side.paced if work is paced else side.fast
                         add(cells, kind, rate, side.name, await rig.open_loop(target, work, rate))
             for mode, work in (("non-stream", plain), ("stream", flood)):
-                for side in sides:
-                    run = await rig.closed_loop(side.fast, work, rig.meters(NAME))
+                for side in rotated((direct, through, floor), number):
+                    meters = rig.meters(FLOOR if side is floor else NAME)
+                    run = await rig.closed_loop(side.fast, work, meters)
                     runs.setdefault((mode, side.name), []).append(run)
+        await rig.stop_gateways([FLOOR])
     return figures(o, cells, runs, phase)
 
 
@@ -76,16 +82,17 @@ def figures(o: BenchOptions, cells: Cells, runs: dict[tuple[str, str], list[Run]
         found = [s for (_, _, n), rounds in cells.items() if n == name for s in rounds]
         return found + [r.samples for (_, n), done in runs.items() if n == name for r in done]
 
-    through, direct = side(NAME), side("direct")
+    through, direct, floor = side(NAME), side("direct"), side(FLOOR)
     return Core(
         ttft=[latency_row(rate, *pair("ttft", rate)) for rate in o.rates],
         gaps=[gap_row(rate, *pair("ttft", rate)) for rate in o.rates],
         plain=[latency_row(rate, *pair("plain", rate)) for rate in o.rates],
         maxima=[max_row(m, runs[(m, "direct")], runs[(m, NAME)]) for m in ("non-stream", "stream")],
+        floor=[max_row(m, runs[(m, "direct")], runs[(m, FLOOR)]) for m in ("non-stream", "stream")],
         through_requests=sum(len(s.latency) for s in through),
         through_with_overhead=sum(len(s.own) for s in through),
         direct_with_overhead=sum(len(s.own) for s in direct),
-        errors=sum(s.errors for s in through + direct),
+        errors=sum(s.errors for s in through + direct + floor),
         phase=phase,
     )
 
@@ -102,6 +109,13 @@ def checks(core: Core) -> list[Check]:
         *found,
         check(NAME, "max non-stream req/s, one worker", plain.through_rps, TARGET_RPS, "req/s", at_least=True),
         check(NAME, "gateway CPU per non-stream request at max", plain.cpu_ms_per_request, TARGET_CPU_MS, "ms"),
+        check(
+            NAME,
+            "gateway CPU per non-stream request over the minimal Python proxy's",
+            floor_ratio(core, 0),
+            TARGET_FLOOR_RATIO,
+            "x",
+        ),
         check(
             NAME,
             f"gap between chunks added, mean (worst: @{worst.rate:g} req/s)",
@@ -122,6 +136,12 @@ def render(core: Core, o: BenchOptions, peak_rss_mb: float) -> list[str]:
         "|---|---|---|---|---|---|",
         summary_direct(core),
         summary_gateway(core, peak_rss_mb),
+        summary_floor(core),
+        "",
+        "The minimal Python proxy (tools/bench/floor.py: uvloop and httptools, each request's bytes written to a "
+        "pooled keep-alive upstream connection once parsed, the answer's bytes forwarded as read) ran in the same "
+        "closed loops, on the same CPU: the gateway's CPU per request over its own, non-stream / stream: "
+        f"{floor_ratio(core, 0):.2f}x / {floor_ratio(core, 1):.2f}x.",
         "",
         "## Core: streaming TTFT",
         "",
@@ -187,6 +207,18 @@ def summary_gateway(core: Core, peak_rss_mb: float) -> str:
     rps = " / ".join(f"{m.through_rps:,.0f}" for m in core.maxima)
     cpu = " / ".join(ms(m.cpu_ms_per_request, 3) for m in core.maxima)
     return f"| sluice, one worker | {ttft} | {plain} | {rps} | {cpu} | {peak_rss_mb:.0f} |"
+
+
+def summary_floor(core: Core) -> str:
+    rps = " / ".join(f"{m.through_rps:,.0f}" for m in core.floor)
+    cpu = " / ".join(ms(m.cpu_ms_per_request, 3) for m in core.floor)
+    return f"| minimal Python proxy (floor.py), one worker | - | - | {rps} | {cpu} | - |"
+
+
+def floor_ratio(core: Core, mode: int) -> float:
+    """The gateway's CPU per request over the minimal proxy's, in mode 0 (non-stream) or 1 (stream)."""
+    floor = core.floor[mode].cpu_ms_per_request
+    return core.maxima[mode].cpu_ms_per_request / floor if floor > 0 else math.nan
 
 
 def notes(core: Core) -> list[str]:

@@ -28,6 +28,8 @@ from tools.bench.fleet import (
     bench_file,
     busy_seconds,
     free_port,
+    python_module,
+    spawn,
     start_gateway,
     start_redis,
     start_sim,
@@ -53,6 +55,7 @@ from tools.bench.load import (
 T = TypeVar("T")
 START_TIMEOUT_S = 30.0
 CORE_CONFIG = "scenarios/overhead.yaml"
+FLOOR = "floor"  # the minimal Python proxy (floor.py): the core scenario's yardstick for CPU per request
 # Connections an interleaved cell opens before it is timed: a few are plenty at these rates, and a burst of
 # 32 cache misses at once exhausts a gateway's Redis connection pool (64, failing at once when full), which
 # opens its Redis circuit for a second: the cells after it would measure the fallback, not Redis.
@@ -187,6 +190,19 @@ class Rig:
                 raise BenchError(f"gateway config not found: {found}")
             return found
         return bench_file(spec.config)
+
+    async def start_floor(self) -> None:
+        """The minimal Python proxy (floor.py) in front of the `fast` upstream, on the gateways' CPU, as `floor`."""
+        port = free_port()
+        child = spawn(
+            FLOOR,
+            python_module("tools.bench.floor", "--port", str(port), "--upstream", self.url("fast")),
+            self.where.gateway_cpu,
+            self.env,
+        )
+        self.ports[FLOOR] = port
+        self.gateways[FLOOR] = gateway = Gateway(child, Pool(self.url(FLOOR), CLIENT_LIMITS))
+        await wait_ready(child, gateway.pool, b"/health", time.monotonic() + START_TIMEOUT_S)
 
     async def stop_gateways(self, names: Sequence[str]) -> None:
         for name in names:

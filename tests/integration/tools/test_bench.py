@@ -62,8 +62,8 @@ def test_core_figures_are_complete(report: bench.Report) -> None:
         assert all(positive(v) for v in (gap.direct_mean, gap.through_mean, gap.direct_p99, gap.through_p99))
         assert math.isfinite(gap.added_mean)
         assert math.isfinite(gap.added_p99)
-    assert [row.mode for row in core.maxima] == ["non-stream", "stream"]
-    for row in core.maxima:
+    assert [row.mode for row in core.maxima] == [row.mode for row in core.floor] == ["non-stream", "stream"]
+    for row in (*core.maxima, *core.floor):
         for value in (row.direct_rps, row.through_rps, row.gateway_cpu_percent, row.cpu_ms_per_request):
             assert positive(value)
         assert math.isfinite(row.core_busy_percent)
@@ -150,7 +150,7 @@ def test_full_ran_every_stage_and_every_request_missed(report: bench.Report) -> 
 
 def test_targets_are_judged(report: bench.Report) -> None:
     scenarios = [check.scenario for check in report.checks]
-    assert scenarios == ["core"] * 5 + ["tenants"] + ["cache"] * 4 + ["full"] * 7
+    assert scenarios == ["core"] * 6 + ["tenants"] + ["cache"] * 4 + ["full"] * 7
     figures = [check.figure for check in report.checks]
     assert any("@50 req/s" in f for f in figures)
     assert any("@200 req/s" in f for f in figures)

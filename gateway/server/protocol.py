@@ -9,8 +9,9 @@ Like nginx's `large_client_header_buffers`, `client_header_timeout` and `client_
 Requests the parser rejects (a bad content-length, a NUL in a header, an unknown method) get a 400. Every one
 of these answers is in OpenAI's error format, with `connection: close`.
 
-The common request, whose head and body come in one read, arms no timer: a timer is armed only when a read
-ends in the middle of a head or a body, so the cost per request is a few attribute checks.
+What a connection reads goes to its Reader (reader.py: the limits, the timers, the parser's events, the direct
+path), which the compiled build makes native; this class keeps what is uvicorn's: the ASGI path, the upgrade,
+the refusals.
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
-import httptools
 from uvicorn.config import Config
 from uvicorn.logging import TRACE_LOG_LEVEL
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -35,10 +33,11 @@ from uvicorn.server import ServerState
 
 from gateway import errors
 from gateway.server.address import Address
-from gateway.server.direct import NOTHING, Direct, Handler, body_bytes, failed, head_bytes, unanswered
+from gateway.server.direct import Direct, body_bytes, head_bytes
 from gateway.server.loop import running_loop
+from gateway.server.reader import Reader
 from gateway.server.reply import BODY_FOLLOWS
-from gateway.server.request import ARRIVED, new_request_id, usable_id
+from gateway.server.request import ARRIVED, new_request_id
 from gateway.settings import LimitSettings
 from gateway.upstream import descriptors
 
@@ -121,14 +120,6 @@ class Cycle(RequestResponseCycle):
             self.on_response()
 
 
-class HeadTooLarge(Exception):
-    """Raised from a parser callback to stop parsing a head that is over the limit."""
-
-
-class OutOfDescriptors(Exception):
-    """Raised from a parser callback for a request on a connection that the descriptor limit cannot carry."""
-
-
 @functools.cache
 def connection_cap() -> int:
     """Client connections the soft descriptor limit carries, each with an upstream socket; read once, after
@@ -137,6 +128,8 @@ def connection_cap() -> int:
 
 
 class GatewayProtocol(HttpToolsProtocol):
+    """uvicorn's protocol for what goes through ASGI; the bytes read and the parser's events go to its Reader."""
+
     warned = False  # the descriptor limit was reached and logged: once per process
 
     def __init__(
@@ -149,27 +142,16 @@ class GatewayProtocol(HttpToolsProtocol):
         # uvicorn passes no loop and would ask for it, a system call per connection (server/loop.py).
         super().__init__(config, server_state, app_state, _loop or running_loop())
         limits: LimitSettings = getattr(getattr(self.app, "settings", None), "limits", None) or LimitSettings()
-        self.max_head = limits.max_header_bytes
-        self.header_timeout = limits.header_timeout_s
-        self.body_timeout = limits.body_timeout_s
-        self.in_head = True  # between requests, or in a head: not in a body
-        self.in_body = False  # the head is complete, the body is not
-        self.head_bytes = 0  # received in reads that ended inside the current head
-        self.big_read = False  # the last read was larger than max_head: measure the head when it completes
-        self.last_read = 0.0  # loop.time() of the last read, for the body timeout
-        self.timer: asyncio.TimerHandle | None = None
-        self.over_cap = False  # accepted past what the descriptor limit carries: its requests get 503
-        self.arrived = 0.0  # perf_counter() when the current request's first byte was read
-        self.request_id: bytes | None = None  # the current request's own x-request-id, if usable
-        self.encoding = b""  # its content-encoding, lower-cased
-        self.idle_since: float | None = None  # loop.time() when the last response ended, until bytes come
-        # Set by the task that served this connection's last request on a proxy route and waits for its next.
-        self.next_request: asyncio.Future[tuple[Direct, Handler] | None] | None = None
+        self.arrived = 0.0  # perf_counter() when the current request's first byte was read (the ASGI scope's)
         # Where the app serves a proxy route without ASGI: the handler for a path, or None for the ASGI app.
         # Not with what only the ASGI cycle does: uvicorn's access log, a root path, a concurrency limit.
         route = getattr(self.app, "direct_route", None)
         plain_server = not self.access_log and not self.root_path and self.limit_concurrency is None
-        self.route: Callable[[bytes], Handler | None] | None = route if plain_server else None
+        self.reader = reader = Reader(self, limits, route if plain_server else None)
+        reader.cap = connection_cap
+        self.parser = reader.parser  # the parser calls the reader; uvicorn's own code asks it about the request
+        # The transport calls the reader's bound method, found on the protocol when the transport is made.
+        self.data_received = reader.data_received  # type: ignore[method-assign]
 
     server = Address(get_local_addr)  # looked up when read (server/address.py), as uvicorn's connection_made does
     client = Address(get_remote_addr)
@@ -184,7 +166,7 @@ class GatewayProtocol(HttpToolsProtocol):
             client = self.client
             self.logger.log(TRACE_LOG_LEVEL, "%sHTTP connection made", f"{client[0]}:{client[1]} - " if client else "")
         if len(self.server_state.connections) > connection_cap():
-            self.over_cap = True
+            self.reader.over_cap = True
             if not GatewayProtocol.warned:
                 GatewayProtocol.warned = True
                 log.warning(
@@ -194,199 +176,46 @@ class GatewayProtocol(HttpToolsProtocol):
                     connection_cap(),
                     descriptors.soft_limit(),
                 )
-        self._arm(self.header_timeout)  # a connection that never sends a head is not held forever
+        self.reader.connection_made(transport, self.flow)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        self.idle_since = None
-        waiter, self.next_request = self.next_request, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)  # the task waiting for this connection's next request ends
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
+        self.reader.connection_lost()
         super().connection_lost(exc)
 
-    # The keep-alive timeout, as uvicorn's but without a timer armed after every response and cancelled by the
-    # next request (about 7k instructions a request): the time the connection fell idle is noted, and one timer
-    # a connection, armed when none is, closes it if it is still idle when due, else waits the rest.
+    def data_received(self, data: bytes) -> None:
+        self.reader.data_received(data)  # where a transport looks the method up on the class
+
     def on_response_complete(self) -> None:
-        self.server_state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self.flow.resume_reading()
-        if self.pipeline:  # a pipelined request waited for this response to end
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-            return
-        self.idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_due)
+        self.reader.response_complete()  # an ASGI cycle's end (a Direct calls the reader's own)
 
     def _unset_keepalive_if_required(self) -> None:
-        self.idle_since = None  # bytes came: not idle; the timer, if armed, finds that when due
+        self.reader.idle_since = None  # uvicorn's connection_lost: the reader's keep-alive timer finds it
 
-    def _keep_alive_due(self) -> None:
-        self.timeout_keep_alive_task = None
-        since = self.idle_since
-        if since is None or self.transport.is_closing():
-            return  # a request is under way: the timer is armed again when its response is complete
-        left = since + self.timeout_keep_alive - self.loop.time()
-        if left > 0:
-            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_due)
-        else:
-            self.timeout_keep_alive_handler()
-
-    def data_received(self, data: bytes) -> None:
-        self._unset_keepalive_if_required()
-        if self.in_head:
-            self.head_bytes += len(data)
-            self.big_read = len(data) > self.max_head
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
-            return
-        except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, OutOfDescriptors):
-                message = "the gateway is at its file-descriptor limit; retry shortly"
-                self._reject(503, message, "gateway_overloaded", retry_after=True)
-            elif isinstance(exc.__context__, HeadTooLarge):
-                self._reject(431, f"request head larger than {self.max_head} bytes", "request_header_too_large")
-            else:
-                self._reject(400, f"invalid HTTP request: {exc}", "invalid_http_request")
-            return
-        # Only a read that ends inside a head or a body needs a timer; most requests come whole.
-        if self.in_head:
-            if self.head_bytes > self.max_head:
-                self._reject(431, f"request head larger than {self.max_head} bytes", "request_header_too_large")
-            elif self.head_bytes and self.timer is None:
-                self._arm(self.header_timeout)
-        elif self.in_body:
-            self.last_read = self.loop.time()
-            if self.timer is None:
-                self._arm(self.body_timeout)
-
-    def on_message_begin(self) -> None:
-        # Called by the parser within the read that holds the request's first byte: the overhead starts here.
-        # The ASGI scope is made only for a request that goes to the ASGI app (_scope).
-        self.arrived = time.perf_counter()
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
-        self.request_id = None
-        self.encoding = b""
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # uvicorn's, noting on the way what the direct path would otherwise look for in the list again.
-        name = name.lower()
-        if name == b"expect":
-            if value.lower() == b"100-continue":
-                self.expect_100_continue = True
-        elif name == b"x-request-id":
-            if self.request_id is None and usable_id(value):
-                self.request_id = value  # the first usable one, as request.request_id takes it
-        elif name == b"content-encoding":
-            self.encoding = value.strip().lower()  # the last one, as request.read_body takes it
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        if self.over_cap:
-            if len(self.server_state.connections) > connection_cap():
-                raise OutOfDescriptors
-            self.over_cap = False  # others closed meanwhile: this one can be served
-        # Reads that ended inside the head were counted as they came. A head that completes in a read which
-        # takes the count over the limit (one read larger than it, or the last of several whose total is) is
-        # measured here, since that read may also hold the body: rare, past 64 KiB by default.
-        suspect = self.big_read or self.head_bytes > self.max_head
-        if suspect and len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.max_head:
-            raise HeadTooLarge
-        self.in_head = False
-        self.in_body = True
-        self.head_bytes = 0
-        self._disarm()
-        parser = self.parser
-        if self.route is not None and parser.get_method() == b"POST" and not parser.should_upgrade():
-            handler = self.route(self.url.partition(b"?")[0])
-            if handler is not None:
-                self._direct(handler, parser.get_http_version() != "1.0" and parser.should_keep_alive())
-                return
+    # What the reader hands over: a request for the ASGI app, its body, its end; an upgrade; a refusal.
+    def asgi_head(
+        self, url: bytes, headers: list[tuple[bytes, bytes]], expect_100_continue: bool, arrived: float
+    ) -> None:
+        self.url = url
+        self.headers = headers
+        self.expect_100_continue = expect_100_continue
+        self.arrived = arrived
         self.scope = self._scope()
         super().on_headers_complete()
 
-    def _direct(self, handler: Handler, keep_alive: bool) -> None:
-        """A request on a proxy route: the pipeline answers it on the transport, without the ASGI cycle."""
-        previous = self.cycle
-        cycle = Direct(
-            self.transport,
-            self.flow,
-            self.headers,
-            self.arrived,
-            self.server_state.default_headers,
-            self.request_id,
-            self.encoding,
-            keep_alive,
-            self.expect_100_continue,
-            self.on_response_complete,
-        )
-        self.cycle = cycle  # type: ignore[assignment]
-        if previous is None or previous.response_complete:
-            self._start_direct(cycle, handler)
-        else:  # pipelined behind a response still going out: started when it is complete (on_response_complete)
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, handler))  # type: ignore[arg-type]
+    def asgi_body(self, body: bytes) -> None:
+        super().on_body(body)
 
-    # A task a request cost about 23k instructions (made, scheduled, its done-callback, uvicorn's task set): a
-    # keep-alive connection's requests on proxy routes are served by a task that, once its request has ended
-    # (its completion work included), waits for the connection's next one, which costs a future's wake-up,
-    # about half. A request that arrives while no task waits (the first, or one behind a request still busy
-    # after its response) gets a task of its own, so that none waits for another's completion work; of the
-    # tasks that finish, one at most stays to wait.
-    def _start_direct(self, cycle: Direct, handler: Handler) -> None:
-        waiter = self.next_request
-        if waiter is not None:
-            self.next_request = None
-            if not waiter.done():
-                waiter.set_result((cycle, handler))
-                return
-        task = self.loop.create_task(self._serve_direct(cycle, handler))
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
+    def asgi_complete(self) -> None:
+        super().on_message_complete()
 
-    async def _serve_direct(self, cycle: Direct, handler: Handler) -> None:
-        task = asyncio.current_task(self.loop)  # the loop given: not asked for (server/loop.py)
-        assert task is not None
-        while True:
-            # The handler awaited in this frame (no wrapper of its own: tests/integration/gateway/test_frames.py);
-            # what it leaves unanswered is ended as uvicorn's cycle ends it.
-            try:
-                await handler(cycle)
-            except BaseException as exc:
-                await failed(cycle, exc)
-            else:
-                if not cycle.response_complete:
-                    await unanswered(cycle)
-            finally:
-                cycle.on_response = NOTHING
-            del cycle, handler  # nothing of a finished request is held while the connection is idle
-            if self.next_request is not None or self.transport.is_closing() or task.cancelling():
-                return  # another task waits for the next request already, or there will be none
-            waiter: asyncio.Future[tuple[Direct, Handler] | None] = self.loop.create_future()
-            self.next_request = waiter
-            try:
-                following = await waiter
-            except asyncio.CancelledError:  # the server's shutdown, once its grace is over
-                if self.next_request is waiter:
-                    self.next_request = None
-                if waiter.done() and not waiter.cancelled() and (handed := waiter.result()) is not None:
-                    handed[0].transport.close()  # a request handed over as the shutdown cut in: not served
-                return
-            if following is None:
-                return  # the connection was lost
-            cycle, handler = following
+    def upgrade(self) -> None:
+        if self._should_upgrade():
+            self.handle_websocket_upgrade()
+        else:
+            self._unsupported_upgrade_warning()
+
+    def start_asgi(self, cycle: Any, app: Any) -> None:
+        self._start_asgi_task(cycle, app)
 
     def _scope(self) -> Any:
         """The ASGI scope uvicorn makes for a request (in its on_message_begin), with the first byte's time."""
@@ -403,66 +232,20 @@ class GatewayProtocol(HttpToolsProtocol):
             ARRIVED: self.arrived,
         }
 
-    def on_body(self, body: bytes) -> None:
-        cycle: Any = self.cycle
-        if type(cycle) is Direct:
-            if not cycle.response_complete:
-                cycle.feed(body)
-        else:
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        self.in_head = True
-        self.in_body = False
-        self._disarm()
-        cycle: Any = self.cycle
-        if type(cycle) is Direct:
-            if not cycle.response_complete:
-                cycle.ended()
-        else:
-            super().on_message_complete()
-
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         if type(cycle) is Direct:  # a pipelined request on a proxy route, its turn come
-            self._start_direct(cycle, app)
+            self.reader.start_direct(cycle, app)
             return
         cycle.__class__ = Cycle  # made by uvicorn's on_headers_complete; it has not run yet
         super()._start_asgi_task(cycle, app)
 
     def send_400_response(self, msg: str) -> None:
-        self._reject(400, msg, "invalid_http_request")
+        self.reject(400, msg, "invalid_http_request")
 
-    def _arm(self, delay: float) -> None:
-        self.timer = self.loop.call_later(delay, self._expired)
-
-    def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _expired(self) -> None:
-        self.timer = None
-        if self.transport.is_closing():
-            return
-        responding = self.cycle is not None and not self.cycle.response_complete and self.cycle.response_started
-        if self.in_body:
-            quiet = self.loop.time() - self.last_read
-            if quiet < self.body_timeout:
-                self._arm(self.body_timeout - quiet)  # the body moved since the timer was armed
-            elif responding or (self.cycle is not None and self.cycle.response_complete):
-                self.transport.close()  # answered already (a 413 from content-length): just stop waiting
-            else:
-                self._reject(408, f"request body stalled for {self.body_timeout:g} s", "request_timeout")
-        elif responding:
-            self._arm(self.header_timeout)  # the previous response is still going out; check again later
-        elif self.head_bytes or self.cycle is None:
-            self._reject(408, f"request head not received within {self.header_timeout:g} s", "request_timeout")
-        else:
-            self.transport.close()  # an idle keep-alive connection: uvicorn's own keep-alive timeout covers it
-
-    def _reject(self, status: int, message: str, code: str, retry_after: bool = False) -> None:
+    def reject(self, status: int, message: str, code: str, retry_after: bool = False) -> None:
+        """The request refused with `status`, in OpenAI's error format, and the connection closed."""
         log.debug("rejected a request from %s: %s", self.client, message)
-        self._disarm()
+        self.reader.disarm()
         kind = "server_error" if status >= 500 else "invalid_request_error"
         body = errors.GatewayError(message, status=status, type=kind, code=code).body()
         head = b"HTTP/1.1 %d %s\r\n" % (status, REASONS[status])

@@ -43,6 +43,11 @@ REQUEST_PATH_TESTS = (
     "tests/integration/gateway/test_console.py",
     "tests/integration/gateway/test_telemetry.py",
     "tests/integration/gateway/test_websocket.py",
+    "tests/integration/gateway/test_client_limits.py",
+    "tests/integration/gateway/test_input.py",
+    "tests/integration/gateway/test_descriptors.py",
+    "tests/integration/gateway/test_store.py",
+    "tests/unit/gateway/telemetry/test_metric_batches.py",
 )
 RUN_TIMEOUT_S = 1200.0
 

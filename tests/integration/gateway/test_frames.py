@@ -102,6 +102,6 @@ models:
 
 def test_a_request_waiting_for_its_upstream_holds_at_most_ten_frames() -> None:
     frames = asyncio.run(count())
-    assert frames[0] == "GatewayProtocol._serve_direct"  # the protocol's task for the connection's requests
+    assert frames[0] == "Reader.serve"  # the reader's task for the connection's requests
     assert frames[-1] == "Pool._exchange"
     assert len(frames) <= MOST_FRAMES, " -> ".join(frames)

@@ -80,7 +80,8 @@ class Reader:
         # Where the app serves a proxy route without ASGI: its handlers by path (looked up here first), and the
         # app's own look-up for a path not among them; None: every request goes to the ASGI app.
         self.route = route
-        self.routes: dict[bytes, Handler] = getattr(getattr(route, "__self__", None), "direct_routes", None) or {}
+        routes = getattr(getattr(route, "__self__", None), "direct_routes", None)
+        self.routes: dict[bytes, Handler] = routes if routes is not None else {}  # the app's own dict, filled later
 
     def connection_made(self, transport: Any, flow: Any) -> None:
         self.transport = transport

@@ -194,7 +194,10 @@ class Pipeline:
             since = time.perf_counter()
             for name, hook in self.on_request:
                 try:
-                    reply: Reply | None = await hook(ex)
+                    # A coroutine, or a plain method's answer (one that never waits in its common case): no
+                    # coroutine made and awaited for it.
+                    answered = hook(ex)
+                    reply = answered if answered is None or isinstance(answered, Reply) else await answered
                 except errors.GatewayError:
                     ex.rejected_by = name  # what telemetry says refused it: the plugin, by its name
                     raise

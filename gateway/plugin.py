@@ -8,7 +8,9 @@ names, read once at start-up): the admission plugin's `on_response` serves only 
 - `startup(runtime)`: once, before the gateway reports ready. Open connections, load keys.
 - `on_request(ex)`: the request is parsed, nothing has gone upstream. Return a `Reply` to answer now
   (a cache hit), raise `GatewayError` to reject (401, 429), or return None to go on. May reorder
-  `ex.targets` (the SLO plugin does).
+  `ex.targets` (the SLO plugin does). A plugin whose on_request waits only now and then may define it as a
+  plain method that returns its answer, or an awaitable of it when it must wait: no coroutine is made for the
+  common case (the admission plugin's, which waits only for a saturated backend).
 - `on_failure(ex, error)`: every target failed with `error` (a GatewayError). Return a `Reply` to answer
   anyway (a stale cache entry), or None to let the error go out.
 - `on_response(ex, head)`: status and headers are known, nothing is sent yet. May add headers (headers known
@@ -167,7 +169,7 @@ def load_class(spec: str) -> type[Plugin]:
 
 # Each hook's signature, as the pipeline and the runtime call it (see the module's docstring for when).
 Startup: TypeAlias = "Callable[[Runtime], Awaitable[None]]"
-OnRequest: TypeAlias = "Callable[[Exchange], Awaitable[Reply | None]]"
+OnRequest: TypeAlias = "Callable[[Exchange], Awaitable[Reply | None] | Reply | None]"
 OnFailure: TypeAlias = "Callable[[Exchange, GatewayError], Awaitable[Reply | None]]"
 OnResponse: TypeAlias = "Callable[[Exchange, ResponseHead], Awaitable[Tap | None]]"
 OnComplete: TypeAlias = "Callable[[Exchange, Outcome], Awaitable[None] | None]"
@@ -183,7 +185,7 @@ class StartsUp(Protocol):
 
 
 class HandlesRequest(Protocol):
-    async def on_request(self, ex: Exchange) -> Reply | None: ...
+    def on_request(self, ex: Exchange) -> Awaitable[Reply | None] | Reply | None: ...
 
 
 class HandlesFailure(Protocol):

@@ -24,6 +24,7 @@ import orjson
 
 from gateway import errors
 from gateway.context import Exchange
+from gateway.response import Reply
 from gateway.responses.pinned import dialers
 from gateway.responses.socket import Session
 from gateway.server import request
@@ -126,7 +127,9 @@ class Sockets:
         ex = Exchange(rid, "responses", headers, b"", {"model": ""}, started)
         ex.resource = HANDSHAKE
         if self.auth is not None:
-            await self.auth(ex)
+            answered = self.auth(ex)  # the auth plugin's on_request: a coroutine (a hook may be a plain method)
+            if answered is not None and not isinstance(answered, Reply):
+                await answered
         return ex.tenant
 
     async def _sweep(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway import errors
@@ -218,9 +218,10 @@ class Admission:
             )
         return spec.highest
 
-    async def on_request(self, ex: Exchange) -> None:
+    def on_request(self, ex: Exchange) -> Awaitable[None] | None:
         # The common case written out (a plain request, its tenant's class, a gate with room): it runs for
-        # every request, so it reads each thing once.
+        # every request, so it reads each thing once; a plain method, whose answer is a coroutine only when the
+        # request must wait (the pipeline awaits it then).
         background = ex.json.get("background") is True
         asked = ex.header(HEADER)
         if background:
@@ -238,22 +239,22 @@ class Admission:
             ex.add_response_headers([(HEADER, cls.label)])  # it may have been clamped
         targets = ex.targets
         if background or ex.resource or not targets:
-            return  # a background job's start, or a stored object's operation: nothing runs upstream now
+            return None  # a background job's start, or a stored object's operation: nothing runs upstream now
         gate = self.gates.get(targets[0].backend)
         if gate is None:
-            return
+            return None
         if gate.preempts and not cls.rank:
             ex.route_bias = gate.bias  # to the replica running the fewest of its class, which it cannot preempt
         if gate.inflight < gate.limits[cls.rank] and not gate.waiting:  # Gate.enter, inline
             gate.inflight += 1
             ex.state[NAME] = gate  # through at once: its slot held from the request's start (see on_complete)
-            return
+            return None
         if gate.past(cls.rank):
             ex.state[NAME] = (gate, time.perf_counter() - ex.started, True)
-            return
+            return None
         if cls.spill and self._spill(ex, gate, cls):
-            return
-        await self._queue(ex, gate, cls)
+            return None
+        return self._queue(ex, gate, cls)
 
     def _spill(self, ex: Exchange, saturated: Gate, cls: Class) -> bool:
         """Serve from the first fallback with room rather than wait for the saturated primary."""

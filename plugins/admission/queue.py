@@ -227,7 +227,13 @@ class Gate:
         self.hold_s = held_s if self.hold_s <= 0.0 else self.hold_s + ALPHA * (held_s - self.hold_s)
         if ttft_s is not None:
             self.ttft_s = ttft_s if self.ttft_s <= 0.0 else self.ttft_s + ALPHA * (ttft_s - self.ttft_s)
-        self.leave_now(over)
+        # leave_now, written out: every request let through ends here (a call fewer a request, interpreted).
+        self.inflight -= 1
+        if over:
+            self.over -= 1
+        if self.waiting:
+            self._size()
+            self._hand_over()
 
     def leave_now(self, over: bool = False) -> None:
         self.inflight -= 1

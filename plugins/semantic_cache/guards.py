@@ -270,6 +270,15 @@ def _scoped(a: Profile, b: Profile) -> bool:
     return a.scope != b.scope or bool(a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers)
 
 
+def _one_of_many(a: Profile, b: Profile) -> bool:
+    """One thing asked for on one side, the same things in the plural on the other: "Give me one tip for a
+    speech" / "Give me tips for a speech" ("one" is no number for the number rule, as "a" is not)."""
+    for x in a.single - b.single:
+        if any(w != x and w.endswith("s") and canonical(stem(w)) == x for w in b.words):
+            return True
+    return False
+
+
 Check = Callable[[Profile, Profile], bool]
 # The rules in the order they are tried: (the rule's name, the kind of difference it reports, the check).
 CHECKS: tuple[tuple[str, str, Check], ...] = (
@@ -278,6 +287,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("language", "language", _languages_differ),
     ("date", "date", lambda a, b: a.dates != b.dates),
     ("number", "number", lambda a, b: set(a.numbers) != set(b.numbers)),
+    ("one of many", "number", lambda a, b: _one_of_many(a, b) or _one_of_many(b, a)),
     ("unit", "unit", _units_differ),
     ("negation", "negation", lambda a, b: a.negated != b.negated),
     ("affix", "negation", _affixed),

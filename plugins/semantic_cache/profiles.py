@@ -56,6 +56,7 @@ _ORDINAL_DIGITS = re.compile(r"(\d+)(?:st|nd|rd|th)$")
 _DIGITS_THEN_LETTERS = re.compile(r"^(\d+(?:\.\d+)?)([a-z°%]+)$")
 _SENTENCE_BREAK = re.compile(r"[.!?:;\n]")
 _CLAUSE_BREAK = re.compile(r"[.!?;\n]")
+_PART_BREAK = re.compile(r"[.!?;:,()\n]")
 _QUOTED = re.compile(
     r'"([^"\n]{1,200})"'
     r"|\u201c([^\u201d\n]{1,200})\u201d"  # curly double quotes
@@ -101,6 +102,7 @@ class Token:
     acronym: bool
     sentence_start: bool
     clause: int  # index of the sentence it is in
+    part: int = 0  # index of the stretch between commas, clause breaks and subordinating conjunctions
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,20 @@ class Profile:
     target_languages: frozenset[str] = frozenset()  # a language after "in" or "into": the one asked for
     owners: tuple[tuple[str, str], ...] = ()  # (what is owned, its owner): "roommate's insurance", "my debts"
     particles: frozenset[tuple[str, str]] = frozenset()  # a word and the particle after it: ("turn", "off")
+    # Content stems in a noun phrase no preposition governs (a verb's arguments), each with its token's `part`.
+    bare: tuple[tuple[str, int], ...] = ()
+    clause_subjects: tuple[tuple[str, str], ...] = ()  # (conjunction, subject): "when Chelsea hosted ..."
+    single: frozenset[str] = frozenset()  # what one thing is asked for of: "one tip", "a single example"
+    agent: str = ""  # a passive's agent, the word after its "by" ("influenced by Wagner"), as its content stem
 
 
-# A passive verb with its agent: a form of "be" or "get", a participle ("-ed", "-en", or an irregular one) and
-# "by": "can butter be replaced by oil" says what "can oil replace butter" says, its two things in the other order.
+# A passive verb with its agent: a form of "be" or "get", a question's subject perhaps ("is the damage covered by
+# X"), a participle ("-ed", "-en", or an irregular one) and "by": "can butter be replaced by oil" says what "can oil
+# replace butter" says, its two things in the other order.
 _PASSIVE = re.compile(
-    r"\b(?:is|are|was|were|be|been|being|gets?|got|gotten)\s+(?:\w+ly\s+)?"
+    r"\b(?:is|are|was|were|be|been|being|gets?|got|gotten)\s+"
+    r"(?:(?:(?:the|a|an|my|your|his|her|its|our|their|this|that)\s+)?(?:\w+\s+){1,2})?"  # a question's subject
+    r"(?:\w+ly\s+)?"
     r"(?:\w+(?:ed|en|wn|ne)|beat|bought|caught|made|paid|sold|taught|thought|told|held|kept|left|lost|led|sent|"
     r"spent|built|brought|found|won|hit|put|set|cut|run|sung|swung|struck|understood)\s+by\b"
 )
@@ -169,11 +179,13 @@ def normal_text(text: str) -> str:
 def _tokens(text: str) -> list[Token]:
     tokens: list[Token] = []
     previous_end = 0
-    clause = 0
+    clause = part = 0
     for match in _TOKEN.finditer(text):
         between = text[previous_end : match.start()]
         if _CLAUSE_BREAK.search(between):
             clause += 1
+        if _PART_BREAK.search(between) or match.group().lower() in _SUBORDINATORS:
+            part += 1
         raw = match.group()
         start = not tokens or bool(_SENTENCE_BREAK.search(between))
         previous_end = match.end()
@@ -185,11 +197,11 @@ def _tokens(text: str) -> list[Token]:
         elif "'" in lower:
             lower = lower.split("'")[0]  # possessives and 're / 've / 'll / 'd / 'm
         acronym = bool(_ACRONYM.match(raw)) and raw not in ("I", "A")
-        tokens.append(Token(lower, raw[0].isupper(), acronym, start, clause))
+        tokens.append(Token(lower, raw[0].isupper(), acronym, start, clause, part))
         if lower == "free" and text[match.start() - 1 : match.start()] == "-":
             negation = True  # "gluten-free", "chemical-free": without
         if negation:
-            tokens.append(Token("not", False, False, False, clause))
+            tokens.append(Token("not", False, False, False, clause, part))
     return tokens
 
 
@@ -241,6 +253,7 @@ class _Reader:
     quantifiers: set[str] = field(default_factory=set)
     content: list[str] = field(default_factory=list)
     clauses: list[int] = field(default_factory=list)
+    bare: dict[str, int] = field(default_factory=dict)
     negated: bool = False
 
     def read(self) -> None:
@@ -351,6 +364,8 @@ class _Reader:
             or (token.capitalised and not token.sentence_start and not self.title_case)
         ):
             self.entities.add(s)
+        if _bare(self.words, i):
+            self.bare[canonical(s)] = token.part
         self._keep(canonical(s), token)
 
 
@@ -420,6 +435,7 @@ def profile(text: str) -> Profile:
     quoted = tuple(normal_text(next(g for g in m.groups() if g is not None)) for m in _QUOTED.finditer(text))
     code = frozenset(m.group(1 if m.group(1) is not None else 0).strip().lower() for m in _CODE.finditer(text))
     normal = normal_text(text)
+    passive = _PASSIVE.search(text.lower())
     return Profile(
         text=f" {normal} ",
         content=tuple(reader.content),
@@ -439,15 +455,88 @@ def profile(text: str) -> Profile:
         words=frozenset(words),
         instructions=told,
         subject=_subject(tokens),
-        passive=bool(_PASSIVE.search(text.lower())),
+        passive=passive is not None,
+        agent=_agent(text.lower(), passive),
+        single=_single(words),
         owners=_owners(text.lower()),
         particles=_particles(normal.split()),
         target_languages=_asked_for(reader.target_languages),
+        bare=tuple(reader.bare.items()),
+        clause_subjects=_clause_subjects(tokens),
     )
 
 
 # Auxiliaries that put a subject before a verb ("does X affect Y", "can X lead to Y"); "is" is left out, as
 # "what is the meaning of X" has no subject-verb order to read.
+_PREPOSITIONS = frozenset(
+    _words("""of in on at by for with about as into onto upon within out off to from than before after over towards
+    toward against under between among through during without per via across behind beyond near around like unlike""")
+)
+
+
+def _bare(words: list[str], i: int) -> bool:
+    """Whether the word at i heads a determined noun phrase that no preposition governs, as a verb's subject or
+    object stands ("does the tenant owe the landlord"), not one that a preposition governs ("under the lease",
+    "for the dog") nor a word without a determiner, which may as well be a verb ("rest", "traveling"): a
+    determiner at most two content words before it, and no preposition before the determiner."""
+    j = i - 1
+    while j >= i - 3 and j >= 0 and words[j] not in STOP_WORDS and words[j] not in FILLER_WORDS:
+        j -= 1  # the phrase's other content words ("sour" of "the sour cream")
+    if j < 0 or words[j] not in _DETERMINERS:
+        return False
+    return j == 0 or words[j - 1] not in _PREPOSITIONS
+
+
+_AGENT = re.compile(r"\s*(?:(?:the|a|an|my|your|his|her|its|our|their|this|that)\s+)?([a-z][a-z0-9]*)")
+
+
+def _agent(lower_text: str, passive: re.Match[str] | None) -> str:
+    """The passive's agent: the first word after its "by" and a determiner ("covered by the insurance")."""
+    if passive is None:
+        return ""
+    found = _AGENT.match(lower_text, passive.end())
+    return canonical(stem(found.group(1))) if found else ""
+
+
+def _single(words: list[str]) -> frozenset[str]:
+    """The content stems that "one" or "single" counts ("give me one tip", "one of the tips", "a single
+    example"): one thing asked for, where "a tip" says nothing of how many."""
+    found: set[str] = set()
+    for i, w in enumerate(words):
+        if w not in ("one", "single"):
+            continue
+        j = i + 1
+        if j < len(words) and words[j] == "of":
+            j += 1
+        while j < len(words) and words[j] in _DETERMINERS:
+            j += 1
+        if j < len(words) and words[j] not in STOP_WORDS and words[j] not in FILLER_WORDS:
+            found.add(canonical(stem(words[j])))
+    return frozenset(found)
+
+
+# Conjunctions that open a clause with a subject of its own: "when Chelsea hosted Liverpool", "if the tenant leaves".
+_SUBORDINATORS = frozenset(
+    _words("when whenever if after before while once because since unless until although though")
+)
+
+
+def _clause_subjects(tokens: list[Token]) -> tuple[tuple[str, str], ...]:
+    """The subject of each clause a conjunction opens, by the conjunction: the first word after it and its
+    determiners, unless that is a stop word ("when did ...": a question, whose subject `_subject` reads)."""
+    found: list[tuple[str, str]] = []
+    for i, token in enumerate(tokens):
+        if token.word not in _SUBORDINATORS:
+            continue
+        j = i + 1
+        while j < len(tokens) and tokens[j].word in _DETERMINERS:
+            j += 1
+        if j < len(tokens) and tokens[j].word not in STOP_WORDS and tokens[j].word not in FILLER_WORDS:
+            word = tokens[j].word
+            found.append((token.word, UNITS[word] if word in UNITS else canonical(stem(word))))
+    return tuple(found)
+
+
 _AUXILIARIES = frozenset(_words("do does did can could will would should"))
 _DETERMINERS = frozenset(_words("a an the my your his her their our its this that these those some any"))
 

@@ -141,9 +141,15 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
       "and", "or" or "vs": "Did France beat Argentina?" / "Did Argentina win against France?".
     - Two kinds of one thing in the other order: "brown rice instead of white rice" / "white rice for brown
       rice" (the same word after each)."""
+    if _blocks_exchanged(a.text.split(), b.text.split()):
+        return True
     x, y = a.subject, b.subject
     if x and y and x != y and x in b.content and y in a.content and a.passive == b.passive:
         return True  # the subject of one is the object of the other
+    if a.passive == b.passive and _clause_subjects_swapped(a, b):
+        return True
+    if a.passive != b.passive and (_agent_kept_after(a, b) or _agent_kept_after(b, a)):
+        return True
     pos_a, pos_b = _positions(a.content), _positions(b.content)
     shared = [w for w in pos_a if w in pos_b]
     named = a.entities | b.entities
@@ -160,9 +166,93 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
             words_b = {w for w in between_b if w[0] != "<"}
             if a.passive == b.passive and _one_relation(words_a, words_b):
                 return True  # "can X replace Y" / "is Y a good replacement for X"; "Y be replaced by X" is not
-            if u in named and v in named and words_a - named and words_b - named:
+            if a.passive == b.passive and u in named and v in named and words_a - named and words_b - named:
                 return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
-    return _heads_swapped(a, b)
+    return _heads_swapped(a, b) or _arguments_swapped(a, b, pos_a, pos_b)
+
+
+def _arguments_swapped(a: Profile, b: Profile, pos_a: dict[str, int], pos_b: dict[str, int]) -> bool:
+    """Two things that are a verb's arguments on both sides (determined noun phrases no preposition governs), in
+    the other order with words between them on both sides, whatever those words are: "What does the tenant owe
+    the landlord?" / "What is the landlord liable to pay the tenant?". A phrase moved with its preposition ("For
+    dry skin, what moisturizer ..." / "What moisturizer ... for dry skin?") or a passive is not."""
+    if a.passive != b.passive:
+        return False
+    # Agent nouns made of a verb of the antonym list ("buyer") are things; adjectives and superlatives are not.
+    bare_a, bare_b = dict(a.bare), dict(b.bare)
+    shared = [w for w in pos_a if w in pos_b and w in bare_a and w in bare_b and not _quality(w)]
+    for n, u in enumerate(shared):
+        for v in shared[n + 1 :]:
+            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
+                continue
+            if bare_a[u] != bare_a[v] or bare_b[u] != bare_b[v]:
+                continue  # in different clauses: "If the landlord sells, can the tenant stay?"
+            between_a = _between(a.content, pos_a[u], pos_a[v])
+            between_b = _between(b.content, pos_b[u], pos_b[v])
+            if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
+                continue
+            if any(w[0] != "<" for w in between_a) and any(w[0] != "<" for w in between_b):
+                return True
+    return False
+
+
+# Words that join two things without ranking them, as written in a prompt's normal text ("&" is dropped there).
+_SYMMETRIC = frozenset(["and", "or", "vs", "versus", "nor"])
+
+
+def _blocks_exchanged(words_a: list[str], words_b: list[str]) -> bool:
+    """One prompt is the other, word for word, with two runs of words exchanged around a middle left in place:
+    "replace butter with olive oil in baking" / "replace olive oil with butter in baking", whatever the middle
+    says ("with", "to", "more than", "at the expense of"). A middle that only joins ("X and Y") is not a role."""
+    if len(words_a) != len(words_b) or words_a == words_b or sorted(words_a) != sorted(words_b):
+        return False
+    start = 0
+    while words_a[start] == words_b[start]:
+        start += 1
+    end = len(words_a)
+    while words_a[end - 1] == words_b[end - 1]:
+        end -= 1
+    a, b = words_a[start:end], words_b[start:end]
+    for i in range(1, len(a) - 1):  # X = a[:i], Y = a[len(a) - j:], the middle between them
+        for j in range(1, len(a) - i):
+            middle = a[i : len(a) - j]
+            if b == a[len(a) - j :] + middle + a[:i] and not set(middle) <= _SYMMETRIC:
+                return True
+    return False
+
+
+def _agent_kept_after(passive: Profile, active: Profile) -> bool:
+    """A passive that keeps the active's order: "Did Beethoven influence Wagner?" / "Was Beethoven influenced by
+    Wagner?" (the agent, Wagner, the one who acts in the passive, is acted on in the active). The passive of the
+    same question has the other order: "Was Wagner influenced by Beethoven?"."""
+    if not passive.passive or active.passive:
+        return False
+    g = passive.agent
+    pos_p, pos_a = _positions(passive.content), _positions(active.content)
+    if g not in pos_p or g not in pos_a:
+        return False
+    for u, i in pos_p.items():
+        if u == g or u not in pos_a or _adjective(u) or i > pos_p[g] or pos_a[u] > pos_a[g]:
+            continue
+        if _between(passive.content, i, pos_p[g]) and _between(active.content, pos_a[u], pos_a[g]):
+            return True  # u before the agent on both sides, a verb between
+    return False
+
+
+def _clause_subjects_swapped(a: Profile, b: Profile) -> bool:
+    """The clause one conjunction opens has another subject on each side, each named on the other side: "...
+    when Liverpool played at home?" / "When Chelsea hosted Liverpool, ...?"."""
+    subjects_b = dict(b.clause_subjects)
+    for conjunction, x in a.clause_subjects:
+        y = subjects_b.get(conjunction)
+        if y and x != y and x in b.content and y in a.content:
+            return True
+    return False
+
+
+def _quality(w: str) -> bool:
+    """An adjective in its base form or a superlative: it moves freely and bears no role."""
+    return lexicon.LEMMA.get(w) == w or (w.endswith("est") and len(w) > 5)
 
 
 # Endings that make a noun or an adjective of a verb: "replace" / "replacement", "infect" / "infection".

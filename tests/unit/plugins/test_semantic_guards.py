@@ -188,6 +188,22 @@ VETOED_BY_RULE = [
     # a verb on one side, its noun on the other ("replace" / "replacement", "pay" / "payment")
     ("order", "Can coconut oil replace lard in pastry?", "Is lard a good replacement for coconut oil in pastry?"),
     ("order", "Should the landlord pay the tenant?", "Is a tenant payment to the landlord due?"),
+    # a verb's two arguments (determined noun phrases no preposition governs) exchanged, whatever the verbs say
+    ("order", "Can the tenant sue the landlord for mold?", "Can the landlord sue the tenant for mold?"),
+    ("order", "What does the seller pay the agent?", "What does the agent owe the seller?"),
+    ("order", "What did the teacher give the student as homework?", "What did the student hand the teacher?"),
+    # another subject for the clause one conjunction opens
+    ("order", "When the host cancels, does the guest get a refund?", "When the guest cancels, does the host get it?"),
+    ("order", "If the dog bites the cat, what should I do?", "If the cat bites the dog, what should I do?"),
+    # two runs of words exchanged around a middle left in place, whatever the middle says
+    ("order", "How do I swap sugar for honey in tea?", "How do I swap honey for sugar in tea?"),
+    ("order", "Mix the paint with the primer first?", "Mix the primer with the paint first?"),
+    # a passive that keeps the active's order: the agent is the one acted on in the active
+    ("order", "How did Beethoven influence Wagner?", "How was Beethoven influenced by Wagner?"),
+    ("order", "Did the Beatles influence the Rolling Stones?", "Were the Beatles influenced by the Rolling Stones?"),
+    # one thing asked for against many
+    ("number", "Give me tips for a wedding speech.", "Give me one tip for a wedding speech."),
+    ("number", "Suggest names for a kitten.", "Suggest a single name for a kitten."),
     # an instruction's number still counts: "in 3 sentences" is not "in 5 sentences"
     ("number", "Describe a volcano in 3 sentences", "Describe a volcano in 5 sentences"),
     # length, depth and format instructions
@@ -236,6 +252,15 @@ HARMLESS_BY_RULE = [
     ("How do mortgage rates affect rents?", "How do mortgage raets affect rents?"),  # a slip its stem hides
     ("Explain how tides work.", "Explain how tides work to me, please."),  # a courtesy appended holds no content
     ("Write a poem about the harbour.", "Could you write me a poem about the harbour?"),  # the same form asked
+    # a clause moved whole, its subject with it; a phrase moved with its preposition; the active's passive
+    ("If the landlord sells the house, can the tenant stay?", "Can the tenant stay if the landlord sells the house?"),
+    ("Can the buyer back out after the seller accepts?", "After the seller accepts, can the buyer back out?"),
+    ("Why does the moon look bigger near the horizon?", "Near the horizon, why does the moon look bigger?"),
+    ("What should the employer tell the staff about it?", "About it, what should the employer tell the staff?"),
+    ("Does the insurance cover the damage?", "Is the damage covered by the insurance?"),
+    ("Did Beethoven influence Wagner?", "Was Wagner influenced by Beethoven?"),
+    ("Can the landlord enter the flat without notice?", "Is the landlord allowed to enter the flat without notice?"),
+    ("Give me one tip for a wedding speech.", "Give me a tip for a wedding speech."),  # "a" says one too
 ]
 
 

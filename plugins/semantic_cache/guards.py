@@ -270,6 +270,15 @@ def _scoped(a: Profile, b: Profile) -> bool:
     return a.scope != b.scope or bool(a.quantifiers and b.quantifiers and a.quantifiers != b.quantifiers)
 
 
+def _asked_differ(a: Profile, b: Profile) -> bool:
+    """Each asks for another kind of answer: "When was the tower built?" / "Where was the tower built?", "Why is
+    the sky blue?" / "Is the sky blue?", "How do I boil an egg?" / "How long do I boil an egg?". "What" and a
+    request without a question word ask for anything; a yes/no question may be answered with the way ("Is there a
+    way to X?" / "How do I X?"). Which amount or degree ("how long" / "how far") is the other rules' to tell."""
+    x, y = a.asked, b.asked
+    return x != y and bool(x) and bool(y) and {x, y} != {"yes/no", "how"}
+
+
 def _one_of_many(a: Profile, b: Profile) -> bool:
     """One thing asked for on one side, the same things in the plural on the other: "Give me one tip for a
     speech" / "Give me tips for a speech" ("one" is no number for the number rule, as "a" is not)."""
@@ -290,6 +299,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("one of many", "number", lambda a, b: _one_of_many(a, b) or _one_of_many(b, a)),
     ("unit", "unit", _units_differ),
     ("negation", "negation", lambda a, b: a.negated != b.negated),
+    ("question", "question", _asked_differ),
     ("affix", "negation", _affixed),
     ("entity", "entity", _entities_differ),
     ("direction word", "order", lambda a, b: _opposed(a, b) or _particle_reversed(a, b)),

@@ -137,6 +137,7 @@ class Profile:
     bare: tuple[tuple[str, int], ...] = ()
     clause_subjects: tuple[tuple[str, str], ...] = ()  # (conjunction, subject): "when Chelsea hosted ..."
     single: frozenset[str] = frozenset()  # what one thing is asked for of: "one tip", "a single example"
+    asked: str = ""  # what the question asks for: "who", "when", "where", "why", "how", "how long", ..., "yes/no"
     agent: str = ""  # a passive's agent, the word after its "by" ("influenced by Wagner"), as its content stem
 
 
@@ -458,6 +459,7 @@ def profile(text: str) -> Profile:
         passive=passive is not None,
         agent=_agent(text.lower(), passive),
         single=_single(words),
+        asked=_asked(words),
         owners=_owners(text.lower()),
         particles=_particles(normal.split()),
         target_languages=_asked_for(reader.target_languages),
@@ -496,6 +498,46 @@ def _agent(lower_text: str, passive: re.Match[str] | None) -> str:
         return ""
     found = _AGENT.match(lower_text, passive.end())
     return canonical(stem(found.group(1))) if found else ""
+
+
+# Nouns that make "what" or "which" ask for a time, a place or a reason: "what year" is "when".
+_ASKED_BY_NOUN = {
+    **dict.fromkeys(_words("time year date day month century decade hour"), "when"),
+    **dict.fromkeys(_words("place country city town state continent region address"), "where"),
+    "reason": "why",
+}
+# Words that open a question answered yes or no: "Is the sky blue?" asks no reason; "Why is the sky blue?" does.
+_YES_NO = frozenset(_words("is are was were am do does did can could should would will may might must shall has have"))
+
+
+# What "how" asks the degree of ("how long", "how early"); before any other word it asks the way.
+_DEGREES = OPEN_MEASURES | frozenset(_words("many early late soon deep wide high low thick large small strong well"))
+
+
+def _asked(words: list[str]) -> str:
+    """What the request asks for, read from its first question word: a person, a time, a place, a reason, a
+    manner ("how do I ..."), or an amount or degree ("how many", "how long", "how often"); "yes/no" for a question
+    that opens with a verb and holds no question word; "" for "what" and "which" that ask for any thing, and for a
+    request that asks no question ("Explain tides"), which may be answered the same way. "When" and "where" ask
+    only before a verb or "to" ("when does it open", "where to park"); before a subject they open a clause
+    ("when traveling alone, how do I ...")."""
+    for i, w in enumerate(words):
+        after = words[i + 1] if i + 1 < len(words) else ""
+        if w in ("who", "whom", "whose", "why"):
+            return "who" if w != "why" else "why"
+        if w in ("when", "where"):
+            if after in _YES_NO or after == "to":
+                return w
+            continue
+        if w == "how":
+            if after == "come":
+                return "why"
+            if after in _DEGREES or (after.endswith("ly") and len(after) > 4):
+                return "how much"  # "how many", "how long", "how often", "how frequently": an amount or a degree
+            return "how"  # "how do I", "how to", "how vaccines work"
+        if w in ("what", "which"):
+            return _ASKED_BY_NOUN.get(after, "")
+    return "yes/no" if words and words[0] in _YES_NO else ""
 
 
 def _single(words: list[str]) -> frozenset[str]:

@@ -201,6 +201,13 @@ VETOED_BY_RULE = [
     # a passive that keeps the active's order: the agent is the one acted on in the active
     ("order", "How did Beethoven influence Wagner?", "How was Beethoven influenced by Wagner?"),
     ("order", "Did the Beatles influence the Rolling Stones?", "Were the Beatles influenced by the Rolling Stones?"),
+    # another kind of answer asked for: a time, a place, a person, a reason, a way, an amount, yes or no
+    ("question", "When was the lighthouse built?", "Where was the lighthouse built?"),
+    ("question", "Who painted the chapel ceiling?", "When was the chapel ceiling painted?"),
+    ("question", "Why do owls hoot?", "How do owls hoot?"),
+    ("question", "Why is the harbour water green?", "Is the harbour water green?"),
+    ("question", "How do I poach an egg?", "How long do I poach an egg?"),
+    ("question", "What time does the ferry leave?", "Where does the ferry leave from?"),
     # one thing asked for against many
     ("number", "Give me tips for a wedding speech.", "Give me one tip for a wedding speech."),
     ("number", "Suggest names for a kitten.", "Suggest a single name for a kitten."),
@@ -261,6 +268,15 @@ HARMLESS_BY_RULE = [
     ("Did Beethoven influence Wagner?", "Was Wagner influenced by Beethoven?"),
     ("Can the landlord enter the flat without notice?", "Is the landlord allowed to enter the flat without notice?"),
     ("Give me one tip for a wedding speech.", "Give me a tip for a wedding speech."),  # "a" says one too
+    # the same kind of answer asked for in other words; "what" asks for anything; "when" opening a clause
+    ("What year was the lighthouse built?", "When was the lighthouse built?"),
+    ("In which country is Timbuktu?", "Where is Timbuktu?"),
+    ("How come owls hoot?", "Why do owls hoot?"),
+    ("What makes owls hoot?", "Why do owls hoot?"),
+    ("Is there a way to recover deleted photos?", "How can I recover deleted photos?"),
+    ("How often should I water a fern?", "How frequently does a fern need water?"),
+    ("Tell me how tides work", "How do tides work?"),
+    ("When traveling alone, how do I stay safe?", "How do I stay safe when traveling alone?"),
 ]
 
 

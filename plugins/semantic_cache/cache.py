@@ -35,6 +35,7 @@ similarity are span attributes and access-log fields.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from gateway.runtime import Runtime
     from gateway.settings import Settings
     from plugins.semantic_cache.embedder import Embedder
+    from plugins.semantic_cache.spelling import Speller
     from plugins.semantic_cache.store import Candidate, Store, Vector
     from plugins.semantic_cache.verifier import Verifier
 
@@ -102,6 +104,11 @@ class SemanticCache:
         # The store modules import numpy (and asyncpg): made here, so that a gateway that does not list this
         # plugin (whose schema the config loader still reads) imports neither.
         self.store: Store = make(base.store)
+        self.speller: Speller | None = None
+        if base.spelling and self.policies:
+            from plugins.semantic_cache import spelling
+
+            self.speller = spelling.Speller()  # its dictionary loads here, not on a request
         self.embedders: dict[str, Embedder] = {}
         self.verifiers: dict[str, Verifier] = {}  # by the cached model whose candidate hits they confirm
         self.pending = 0  # lookups still running past their request's deadline
@@ -115,6 +122,8 @@ class SemanticCache:
     @classmethod
     def check(cls, config: Config, settings: Settings, _listed: Sequence[str]) -> Iterable[Problem]:
         section = config.section
+        if section.spelling and importlib.util.find_spec("spellchecker") is None:
+            yield "semantic_cache.spelling", "needs pyspellchecker: pip install -e '.[semantic]' (or spelling: false)"
         if section.store.type == "pgvector" and not section.store.dsn:
             yield "semantic_cache.store.dsn", "the pgvector store needs a dsn (postgresql://...)"
         for model, spec in config.models.items():
@@ -237,6 +246,8 @@ class SemanticCache:
         return self._replay(ex, candidate)
 
     def _start(self, embedder: Embedder, text: str, ex: Exchange) -> asyncio.Task[Vector]:
+        if self.speller is not None:
+            text = self.speller.fix(text)  # the embedding's input only: guards and the entry keep the user's text
         task = asyncio.get_running_loop().create_task(self._embed(embedder, text, ex))
         task.add_done_callback(_retrieved)  # a failure nobody awaits any more is not an unretrieved exception
         return task

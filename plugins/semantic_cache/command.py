@@ -141,12 +141,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true", help="also list the false hits and the refused paraphrases")
     p.add_argument("--lenient", action="store_true", help="guards without the one-word substitution rule")
     p.add_argument(
+        "--no-spelling", action="store_true", help="embed the texts as written (the gateway mends typos by default)"
+    )
+    p.add_argument(
         "--threshold", type=float, help="the threshold of the per-kind table and --explain (default: the suggestion)"
     )
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     p.add_argument("--verifier-url", help="also ask this OpenAI-compatible chat endpoint whether pairs match")
     p.add_argument("--verifier-model", default="default", help="the verifier's model name")
     p.add_argument("--verifier-deadline-ms", type=float, default=500.0, help="each verifier call's bound (500)")
+
+
+def _spelled(embed: Embed) -> Embed:
+    """The embedder with the gateway's typo mending in front (semantic_cache.spelling, on by default)."""
+    from plugins.semantic_cache.spelling import Speller
+
+    speller = Speller()
+    return lambda texts: embed([speller.fix(t) for t in texts])
 
 
 async def _verified(args: argparse.Namespace, ev: Evaluation) -> Evaluation:
@@ -180,6 +191,8 @@ def main(args: argparse.Namespace) -> int:
             except ConfigError as exc:
                 raise EvaluationError("; ".join(f"config error: {line}" for line in exc.lines)) from None
             embed, close = config_embedder(settings, args.model)
+        if not args.no_spelling:
+            embed = _spelled(embed)
         try:
             evaluation = evaluate(pairs, embed, args.target_fhr, strict=not args.lenient)
         finally:

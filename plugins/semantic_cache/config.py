@@ -32,6 +32,7 @@ class SemanticSection(Strict):
     allow_tools: bool = False  # requests with tools (which may have side effects) are not cached by default
     max_text_chars: int = Field(2000, ge=1)  # longer texts would be truncated by the embedding model
     guards: bool = True
+    spelling: bool = True  # slips of the keyboard mended in the text embedded (spelling.py); needs pyspellchecker
     candidates: int = Field(3, ge=1)  # entries above the threshold tried in turn against the guards
     near_margin: float = Field(0.1, ge=0, le=1)  # a best match this close under the threshold is a near miss
     max_entry_bytes: int = Field(1024 * 1024, ge=1)

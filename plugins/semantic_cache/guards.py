@@ -208,8 +208,36 @@ def _particle_reversed(a: Profile, b: Profile) -> bool:
     return any((w, _PARTICLES[p]) in pb - pa for w, p in pa - pb)
 
 
+_INVERTING = frozenset(("least", "less"))  # "least expensive" is "cheapest": the scale turned round
+_DEGREE = _INVERTING | {"most", "more"}
+
+
 def _antonyms(a: Profile, b: Profile) -> bool:
-    return lexicon.opposed(a.words - b.words, b.words - a.words)
+    only_a, only_b = a.words - b.words, b.words - a.words
+    if bool(only_a & _INVERTING) != bool(only_b & _INVERTING) and lexicon.opposed(only_a - _DEGREE, only_b - _DEGREE):
+        return False  # "the cheapest way" / "the least expensive way": opposites that one side turns round agree
+    return lexicon.opposed(only_a, only_b)
+
+
+# Digits that chat shorthand writes for words: "tips 2 sleep better", "a game 4 a party".
+_DIGIT_WORDS = {2.0: "to", 4.0: "for"}
+
+
+def _numbers_differ(a: Profile, b: Profile) -> bool:
+    """A number of one side missing from the other; not a "2" or "4" that stands for a "to" or "for" that only the
+    other side writes ("tips 2 sleep better" / "tips to sleep better")."""
+    numbers_a, numbers_b = set(a.numbers), set(b.numbers)
+    if numbers_a == numbers_b:
+        return False
+    return not (_as_words(a, b, numbers_a - numbers_b) and _as_words(b, a, numbers_b - numbers_a))
+
+
+def _as_words(x: Profile, y: Profile, only_x: set[float]) -> bool:
+    for n in only_x:
+        word = _DIGIT_WORDS.get(n)
+        if word is None or word not in y.words or word in x.words:
+            return False
+    return True
 
 
 def _numbers_reordered(a: Profile, b: Profile) -> bool:
@@ -295,7 +323,7 @@ CHECKS: tuple[tuple[str, str, Check], ...] = (
     ("code", "code", lambda a, b: _code_missing(a, b) or _code_missing(b, a)),
     ("language", "language", _languages_differ),
     ("date", "date", lambda a, b: a.dates != b.dates),
-    ("number", "number", lambda a, b: set(a.numbers) != set(b.numbers)),
+    ("number", "number", _numbers_differ),
     ("one of many", "number", lambda a, b: _one_of_many(a, b) or _one_of_many(b, a)),
     ("unit", "unit", _units_differ),
     ("negation", "negation", lambda a, b: a.negated != b.negated),

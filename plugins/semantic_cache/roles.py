@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plugins.semantic_cache import lexicon
+from plugins.semantic_cache.profiles import canonical, stem
 from plugins.semantic_cache.vocabulary import COORDINATOR_TAG
 
 if TYPE_CHECKING:
@@ -150,6 +151,8 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
         return True
     if a.passive != b.passive and (_agent_kept_after(a, b) or _agent_kept_after(b, a)):
         return True
+    if not a.passive and not b.passive and (_pronoun_cases_swapped(a, b) or _pronoun_cases_swapped(b, a)):
+        return True
     pos_a, pos_b = _positions(a.content), _positions(b.content)
     shared = [w for w in pos_a if w in pos_b]
     named = a.entities | b.entities
@@ -236,6 +239,30 @@ def _agent_kept_after(passive: Profile, active: Profile) -> bool:
             continue
         if _between(passive.content, i, pos_p[g]) and _between(active.content, pos_a[u], pos_a[g]):
             return True  # u before the agent on both sides, a verb between
+    return False
+
+
+# A personal pronoun's object form and its subject form: "owes me" / "I owe".
+_SUBJECT_OF = {"me": "i", "us": "we", "him": "he", "her": "she", "them": "they"}
+
+
+def _pronoun_cases_swapped(a: Profile, b: Profile) -> bool:
+    """One person the object of a verb on one side ("My roommate owes me") and its subject on the other ("I owe my
+    roommate"), a thing on the other side of that verb each time: the two trade roles."""
+    words_a, words_b = a.text.split(), b.text.split()
+    pos_a, pos_b = _positions(a.content), _positions(b.content)
+    for k in range(len(words_a) - 1):
+        subject = _SUBJECT_OF.get(words_a[k + 1])
+        verb = canonical(stem(words_a[k]))
+        if subject is None or verb not in pos_a or verb not in pos_b:
+            continue
+        # the subject's side: the same verb right after the subject form, or with one word between ("I still owe")
+        m = next((m for m in range(len(words_b)) if canonical(stem(words_b[m])) == verb), -1)
+        if m < 1 or subject not in words_b[max(0, m - 2) : m]:
+            continue
+        for thing in pos_a:
+            if thing != verb and thing in pos_b and pos_a[thing] < pos_a[verb] and pos_b[thing] > pos_b[verb]:
+                return True
     return False
 
 

@@ -53,11 +53,19 @@ SCOPE_WORDS = frozenset(
     _words(
         """all every each only entire whole total overall average median both either single recursive
         recursively including excluding except daily weekly monthly yearly annual annually hourly nightly
-        partial partially fully completely exactly"""
+        partial partially full fully complete completely exactly"""
     )
 )
 # Scope words that say the same: "each chapter" and "all chapters" ask for the same.
-SCOPE_SYNONYMS = {"every": "all", "each": "all", "entire": "whole", "fully": "completely", "annual": "yearly"}
+SCOPE_SYNONYMS = {
+    "every": "all",
+    "each": "all",
+    "entire": "whole",
+    "full": "whole",
+    "complete": "whole",
+    "fully": "completely",
+    "annual": "yearly",
+}
 # Quantifiers: prompts with different ones ("most cats" / "any cats") ask different things; one on one side only
 # ("some ways to ..." / "ways to ...") usually does not.
 QUANTIFIERS = frozenset(_words("all every each most some any none few many several no lot lots plenty"))

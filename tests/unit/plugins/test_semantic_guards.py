@@ -192,6 +192,8 @@ VETOED_BY_RULE = [
     ("order", "Can the tenant sue the landlord for mold?", "Can the landlord sue the tenant for mold?"),
     ("order", "What does the seller pay the agent?", "What does the agent owe the seller?"),
     ("order", "What did the teacher give the student as homework?", "What did the student hand the teacher?"),
+    # one person the object of a verb on one side and its subject on the other
+    ("order", "My brother owes me fifty dollars, what now?", "I owe my brother fifty dollars, what now?"),
     # another subject for the clause one conjunction opens
     ("order", "When the host cancels, does the guest get a refund?", "When the guest cancels, does the host get it?"),
     ("order", "If the dog bites the cat, what should I do?", "If the cat bites the dog, what should I do?"),
@@ -207,7 +209,11 @@ VETOED_BY_RULE = [
     ("question", "Why do owls hoot?", "How do owls hoot?"),
     ("question", "Why is the harbour water green?", "Is the harbour water green?"),
     ("question", "How do I poach an egg?", "How long do I poach an egg?"),
+    ("order", "What's the least expensive way to ship a bike?", "What's the most expensive way to ship a bike?"),
+    ("number", "Is a table for 2 enough?", "Is a table for 4 enough?"),
     ("question", "What time does the ferry leave?", "Where does the ferry leave from?"),
+    # the whole thing against a part of it
+    ("scope", "Write the opening line of a wedding speech.", "Write a full wedding speech."),
     # one thing asked for against many
     ("number", "Give me tips for a wedding speech.", "Give me one tip for a wedding speech."),
     ("number", "Suggest names for a kitten.", "Suggest a single name for a kitten."),
@@ -268,6 +274,10 @@ HARMLESS_BY_RULE = [
     ("Did Beethoven influence Wagner?", "Was Wagner influenced by Beethoven?"),
     ("Can the landlord enter the flat without notice?", "Is the landlord allowed to enter the flat without notice?"),
     ("Give me one tip for a wedding speech.", "Give me a tip for a wedding speech."),  # "a" says one too
+    # opposites that "least" turns round; chat shorthand's "2" for "to" and "4" for "for"
+    ("What's the cheapest way to ship a bike?", "What's the least expensive way to ship a bike?"),
+    ("Please give me tips to sleep better in a heatwave.", "pls tips 2 sleep better in a heatwave"),
+    ("What's a good card game for a party of six?", "whats a good card game 4 a party of 6"),
     # the same kind of answer asked for in other words; "what" asks for anything; "when" opening a clause
     ("What year was the lighthouse built?", "When was the lighthouse built?"),
     ("In which country is Timbuktu?", "Where is Timbuktu?"),

@@ -39,10 +39,12 @@ BUNDLED = (
     ("holdout", "hand-written noun swaps; tuned on since its first run"),
     ("transformed", "rule-made look-alikes (tools/semantic_pairs.py); tuned on"),
     ("transformed-holdout", "rule-made, held-out templates; run once, then one round of changes"),
-    ("transformed-late", "rule-made from later seeds; frozen before the last changes, never tuned on"),
+    ("transformed-late", "rule-made from later seeds; frozen, unseen for two rounds, then tuned on"),
     ("natural", "hand-written everyday requests in other domains; frozen, measured, then tuned on"),
     ("natural-sealed", "the other half of the natural pairs; frozen, only ever read in total, never tuned on"),
     ("forms", "hand-written look-alikes of scope, form and roles, written to probe the rules; tuned on"),
+    ("independent-dev", "written by another hand than the rules', 16 kinds; tuned on"),
+    ("independent-sealed", "written by a third hand, never shown to the rules' author; frozen, totals only"),
 )
 THRESHOLDS = tuple(round(0.70 + i / 100, 2) for i in range(30))  # 0.70 .. 0.99
 TARGET_FHR = 0.02

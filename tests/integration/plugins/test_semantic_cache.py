@@ -156,6 +156,24 @@ def test_a_paraphrase_hits(gateway: RunningGateway, upstream: ScriptedUpstream, 
     assert chat_calls(upstream) == before  # answered without the upstream
 
 
+def test_typos_are_mended_before_embedding(
+    gateway: RunningGateway, upstream: ScriptedUpstream, postgres: PostgresServer, embedding_model: MiniLM
+) -> None:
+    fill(gateway, postgres, "What's the driving route from Berlin to Munich?")
+    typed = "What's the drriving rotue from Berlin to Munich?"
+    as_written = embedding_model.embed(["What's the driving route from Berlin to Munich?", typed])
+    assert float(as_written[0] @ as_written[1]) < 0.9  # 0.83: the slips alone would miss at this threshold
+    before = chat_calls(upstream)
+    content, headers, _ = ask(gateway, typed)
+    assert headers["x-sluice-semantic"] == "hit"
+    assert float(headers["x-sluice-semantic-similarity"]) > 0.99  # the mended text embeds as the original
+    assert content == TEXT
+    assert chat_calls(upstream) == before
+    assert stored(postgres, typed) == 0  # a hit stores nothing; an entry keeps the text as written (below)
+    fill(gateway, postgres, "Which housepalnts are safe for cats?")
+    assert stored(postgres, "Which housepalnts are safe for cats?") == 1
+
+
 def test_a_guarded_near_negative_misses(
     gateway: RunningGateway, upstream: ScriptedUpstream, postgres: PostgresServer
 ) -> None:

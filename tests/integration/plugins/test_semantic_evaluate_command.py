@@ -138,21 +138,23 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
     assert by_kind["order"]["hit_rate_guarded"] == 0.0
 
 
-# The rule-made sets (tools/semantic_pairs.py) and the hand-written natural sets at the default threshold, 0.80.
-# "transformed" and "natural" were tuned on; "transformed-holdout" was run once and then informed one round of
-# changes; "transformed-late" was frozen before that round; "natural-sealed" was frozen before any change and only
-# ever read in total: its figure is the one a user should expect on unseen traffic; "forms" was written to probe
-# scope and roles and tuned on. The bounds are the measured
-# figures with a little room, so that a rule change that costs accuracy fails here.
+# The rule-made sets (tools/semantic_pairs.py) and the hand-written sets at the default threshold, 0.80, with the
+# default typo mending. "transformed", "natural", "forms" and "independent-dev" were tuned on; "transformed-holdout"
+# and "transformed-late" were frozen and later tuned on; "natural-sealed" was frozen before any change and only ever
+# read in total; "independent-sealed" was written by a hand that never saw the rules and only ever read in total:
+# those two are the figures a user should expect on unseen traffic. The bounds are the measured figures with a
+# little room, so that a rule change that costs accuracy fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
     [
-        ("transformed", 0.02, 0.70),
-        ("transformed-holdout", 0.02, 0.65),
-        ("transformed-late", 0.02, 0.70),
-        ("natural", 0.02, 0.55),
-        ("natural-sealed", 0.04, 0.50),
-        ("forms", 0.02, 0.70),
+        ("transformed", 0.02, 0.85),
+        ("transformed-holdout", 0.02, 0.80),
+        ("transformed-late", 0.02, 0.83),
+        ("natural", 0.02, 0.60),
+        ("natural-sealed", 0.03, 0.55),
+        ("forms", 0.02, 0.77),
+        ("independent-dev", 0.02, 0.53),
+        ("independent-sealed", 0.02, 0.53),
     ],
 )
 def test_the_held_out_sets_at_the_default_threshold(
@@ -170,7 +172,7 @@ def test_the_held_out_sets_at_the_default_threshold(
     plain = next(p for p in report["curve"] if p["threshold"] == 0.80)
     assert plain["false_hit_rate"] > 0.30  # the cosine alone lets a third of the look-alikes through, or more
     assert report["kinds_at"] == 0.80
-    if name.startswith("natural") or name == "forms":  # hand-written: not every kind, nor in every set
+    if name.startswith(("natural", "independent")) or name == "forms":  # hand-written: not every kind in every set
         return
     kinds = {k["kind"]: k for k in report["kinds"]}
     for kind in ("scope", "affix", "negation", "antonym", "quantity"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import importlib.util
 import time
 from typing import Any
 
@@ -265,6 +266,18 @@ def test_the_config_names_what_is_missing_or_wrong() -> None:
     assert "'cache' must come before 'semantic_cache'" in problems(
         "semantic_cache: {embedding_model: embed}\nplugins: [semantic_cache, cache]\n"
     )
+
+
+def test_typo_mending_without_its_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a machine where the `semantic` extra was not installed: the module cannot be found.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "spellchecker" else real(name, *a)
+    )
+    found = problems("semantic_cache: {embedding_model: embed}\nplugins: [semantic_cache]\n")
+    assert "semantic_cache.spelling: needs pyspellchecker" in found
+    assert "spelling: false" in found
+    parse_config(BASE + "semantic_cache: {embedding_model: embed, spelling: false}\nplugins: [semantic_cache]\n", "<t>")
 
 
 def test_a_verifier_must_name_a_model_of_the_config() -> None:

@@ -8,9 +8,15 @@ word it is a slip of: one letter dropped, added or two letters swapped, with its
 (`lexicon.typo_of`, the guards' own test of a typo). Candidates come from pyspellchecker's English word
 frequencies (PyPI, pure Python, its dictionary inside the wheel).
 
+Only English is mended, and only a text that shows it is English: one that holds an English function word
+("the", "what", "how", "is", ...; chosen as words no other common language writes alone). The English dictionary
+would otherwise take "tiene" for a slip of "tine" and "viele" of "vile". A deployment whose traffic is not English
+turns it off (`spelling: false`).
+
 Only the embedding's input changes. The guards and the verifier read the text as the user wrote it, so a word
 mended wrongly can cost a hit but cannot make one: "tuple" is no slip ("tulle" needs a letter changed, which is
-not one), and names written with a capital, words with digits and short words are left alone.
+not one), and names written with a capital, words with digits and short words are left alone. A name written in
+lower case a slip away from a dictionary word is mended as one ("gmail" -> "gail"): that costs recall only.
 """
 
 from __future__ import annotations
@@ -20,8 +26,16 @@ from functools import lru_cache
 from typing import Any
 
 from plugins.semantic_cache.lexicon import typo_of
+from plugins.semantic_cache.vocabulary import _words
 
 _WORD = re.compile(r"\b[a-z]{5,}\b")
+_ANY_WORD = re.compile(r"[a-z]+")
+# English words that no other common language writes as a word of its own ("do", "i", "a", "in", "die", "la" are
+# left out: Portuguese, Italian, German and Spanish have them).
+_ENGLISH = frozenset(
+    _words("""the what how why is are does can should my your with from for and to of you it this that which who when
+    where there their have has was were will would could""")
+)
 
 
 class Speller:
@@ -39,6 +53,8 @@ class Speller:
         known = self._known
         if all(w in known for w in _WORD.findall(text)):
             return text
+        if _ENGLISH.isdisjoint(_ANY_WORD.findall(text.lower())):
+            return text  # not shown to be English
         return _WORD.sub(lambda m: m[0] if m[0] in known else self.mend(m[0]), text)
 
     def _mend(self, word: str) -> str:

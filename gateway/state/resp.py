@@ -155,8 +155,8 @@ def parse_url(url: str, **limits: Any) -> tuple[list[tuple[str, int]], Options, 
 
 
 def node_urls(url: str) -> list[str]:
-    """Plain `redis[s]://` URLs, one per node the URL names (the seeds of a cluster), for a library client
-    off the request path: pub/sub, where a cluster delivers a PUBLISH to the subscribers of every node."""
+    """Plain `redis[s]://` URLs, one per node the URL names (the seeds of a cluster), for a subscription off the
+    request path (subscriber.py), where a cluster delivers a PUBLISH to the subscribers of every node."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower().removesuffix("+cluster")
     userinfo, at, hosts = parts.netloc.rpartition("@")

@@ -22,15 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import orjson
-import redis.asyncio as aioredis
 from cachetools import TTLCache
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from gateway.plugin import Configured, Empty, Problem, Schema
 from gateway.state.store import Store, StoreUnavailable
+from gateway.state.subscriber import SubscriptionLost, subscribe
 from plugins.auth.config import AuthSection, AuthTenant
 
 if TYPE_CHECKING:
@@ -223,21 +220,10 @@ class Auth:
         On a cluster, one node's subscription hears every PUBLISH; after a failure the next seed is tried.
         """
         for url in itertools.cycle(urls):
-            client = aioredis.Redis.from_url(url, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(CHANNEL)
-                self.cache.clear()  # messages may have been missed while unsubscribed
-                while True:
-                    message = await pubsub.get_message(timeout=5.0)
-                    if message is None:
-                        await pubsub.ping()  # notice a dead connection even when nothing is published
-                    elif message["type"] == "message":
-                        data = message["data"]
-                        self.cache.pop(data.decode() if isinstance(data, bytes) else str(data), None)
-            except (RedisError, OSError, TimeoutError):
+                # messages may have been missed while unsubscribed: the cache is cleared once subscribed
+                async with contextlib.aclosing(subscribe(url, CHANNEL, self.cache.clear)) as names:
+                    async for name in names:
+                        self.cache.pop(name.decode(errors="replace"), None)
+            except (SubscriptionLost, OSError, TimeoutError, ValueError):
                 await asyncio.sleep(1.0)
-            finally:
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis 8.2
-                    await client.aclose()

@@ -45,6 +45,7 @@ BUNDLED = (
     ("forms", "hand-written look-alikes of scope, form and roles, written to probe the rules; tuned on"),
     ("independent-dev", "written by another hand than the rules', 16 kinds; tuned on"),
     ("independent-sealed", "written by a third hand, never shown to the rules' author; frozen, totals only"),
+    ("independent-sealed-2", "written by a fourth hand after the rules were final; frozen, measured once"),
 )
 THRESHOLDS = tuple(round(0.70 + i / 100, 2) for i in range(30))  # 0.70 .. 0.99
 TARGET_FHR = 0.02

@@ -141,9 +141,9 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
 # The rule-made sets (tools/semantic_pairs.py) and the hand-written sets at the default threshold, 0.80, with the
 # default typo mending. "transformed", "natural", "forms" and "independent-dev" were tuned on; "transformed-holdout"
 # and "transformed-late" were frozen and later tuned on; "natural-sealed" was frozen before any change and only ever
-# read in total; "independent-sealed" was written by a hand that never saw the rules and only ever read in total:
-# those two are the figures a user should expect on unseen traffic. The bounds are the measured figures with a
-# little room, so that a rule change that costs accuracy fails here.
+# read in total; "independent-sealed" and "independent-sealed-2" were written by hands that never saw the rules
+# and only ever read in total: those three are the figures a user should expect on unseen traffic. The bounds are
+# the measured figures with a little room, so that a rule change that costs accuracy fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
     [
@@ -155,6 +155,7 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
         ("forms", 0.02, 0.77),
         ("independent-dev", 0.02, 0.53),
         ("independent-sealed", 0.02, 0.53),
+        ("independent-sealed-2", 0.02, 0.53),
     ],
 )
 def test_the_held_out_sets_at_the_default_threshold(

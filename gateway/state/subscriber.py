@@ -17,6 +17,13 @@ import hiredis
 from gateway.state.resp import Arg, encode, parse_url
 
 
+def _next(parser: hiredis.Reader, host: str, port: int) -> object:
+    try:
+        return parser.gets()
+    except hiredis.ProtocolError as exc:  # not Redis at that address (an HTTP port, a TLS alert), or a broken stream
+        raise SubscriptionLost(f"{host}:{port} does not speak RESP: {exc}") from None
+
+
 class SubscriptionLost(ConnectionError):
     """The server refused a command, closed the connection, or did not answer a PING within the quiet time."""
 
@@ -66,7 +73,7 @@ async def subscribe(
                 raise SubscriptionLost(f"{host}:{port} closed the connection")
             pinged = False  # an answer of any kind shows the connection alive
             parser.feed(data)
-            while (reply := parser.gets()) is not False:
+            while (reply := _next(parser, host, port)) is not False:
                 if isinstance(reply, hiredis.ReplyError):
                     raise SubscriptionLost(f"{host}:{port} refused: {reply}")
                 if unanswered:

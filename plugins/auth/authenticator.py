@@ -27,7 +27,7 @@ from cachetools import TTLCache
 from gateway.errors import AuthenticationError, PermissionDeniedError, ServiceUnavailableError
 from gateway.plugin import Configured, Empty, Problem, Schema
 from gateway.state.store import Store, StoreUnavailable
-from gateway.state.subscriber import SubscriptionLost, subscribe
+from gateway.state.subscriber import subscribe
 from plugins.auth.config import AuthSection, AuthTenant
 
 if TYPE_CHECKING:
@@ -219,11 +219,21 @@ class Auth:
 
         On a cluster, one node's subscription hears every PUBLISH; after a failure the next seed is tried.
         """
+        said = ""  # the last failure logged: one line when the reason changes, not one a second
+
+        def subscribed() -> None:
+            nonlocal said
+            said = ""
+            self.cache.clear()  # messages may have been missed while unsubscribed
+
         for url in itertools.cycle(urls):
             try:
-                # messages may have been missed while unsubscribed: the cache is cleared once subscribed
-                async with contextlib.aclosing(subscribe(url, CHANNEL, self.cache.clear)) as names:
+                async with contextlib.aclosing(subscribe(url, CHANNEL, subscribed)) as names:
                     async for name in names:
                         self.cache.pop(name.decode(errors="replace"), None)
-            except (SubscriptionLost, OSError, TimeoutError, ValueError):
+            except Exception as exc:  # whatever it was, the listener must live: key changes depend on it
+                reason = f"{type(exc).__name__}: {exc}"
+                if reason != said:
+                    log.warning("auth: key-change subscription lost (%s); retrying every second", reason)
+                    said = reason
                 await asyncio.sleep(1.0)

@@ -157,10 +157,12 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
     shared = [w for w in pos_a if w in pos_b]
     named = a.entities | b.entities
     shared = [w for w in shared if not _adjective(w)]
-    for n, u in enumerate(shared):
+    for n, u in enumerate(shared):  # in a's order
         for v in shared[n + 1 :]:
-            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
-                continue  # the same order
+            if pos_a[v] - pos_a[u] > _NEAR:
+                break  # two things a relation joins stand near each other; this bounds the pairs' cost
+            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]) or abs(pos_b[u] - pos_b[v]) > _NEAR:
+                continue  # the same order, or too far apart
             between_a = _between(a.content, pos_a[u], pos_a[v])
             between_b = _between(b.content, pos_b[u], pos_b[v])
             if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
@@ -184,8 +186,10 @@ def _arguments_swapped(a: Profile, b: Profile, pos_a: dict[str, int], pos_b: dic
     # Agent nouns made of a verb of the antonym list ("buyer") are things; adjectives and superlatives are not.
     bare_a, bare_b = dict(a.bare), dict(b.bare)
     shared = [w for w in pos_a if w in pos_b and w in bare_a and w in bare_b and not _quality(w)]
-    for n, u in enumerate(shared):
+    for n, u in enumerate(shared):  # in a's order
         for v in shared[n + 1 :]:
+            if pos_a[v] - pos_a[u] > _NEAR:
+                break
             if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
                 continue
             if bare_a[u] != bare_a[v] or bare_b[u] != bare_b[v]:
@@ -201,6 +205,7 @@ def _arguments_swapped(a: Profile, b: Profile, pos_a: dict[str, int], pos_b: dic
 
 # Words that join two things without ranking them, as written in a prompt's normal text ("&" is dropped there).
 _SYMMETRIC = frozenset(["and", "or", "vs", "versus", "nor"])
+_MAX_EXCHANGED = 40  # words that differ between two prompts, at most, for two runs exchanged to be looked for
 
 
 def _blocks_exchanged(words_a: list[str], words_b: list[str]) -> bool:
@@ -216,10 +221,14 @@ def _blocks_exchanged(words_a: list[str], words_b: list[str]) -> bool:
     while words_a[end - 1] == words_b[end - 1]:
         end -= 1
     a, b = words_a[start:end], words_b[start:end]
-    for i in range(1, len(a) - 1):  # X = a[:i], Y = a[len(a) - j:], the middle between them
-        for j in range(1, len(a) - i):
-            middle = a[i : len(a) - j]
-            if b == a[len(a) - j :] + middle + a[:i] and not set(middle) <= _SYMMETRIC:
+    n = len(a)
+    if n > _MAX_EXCHANGED:
+        return False  # a request is a sentence or two; past that the runs are no roles, and the search is quadratic
+    for i in range(1, n - 1):  # X = a[:i] must end b
+        if a[:i] != b[n - i :]:
+            continue
+        for j in range(1, n - i):  # Y = a[n - j:] must start b, the middle between them in place
+            if a[n - j :] == b[:j] and a[i : n - j] == b[j : n - i] and not set(a[i : n - j]) <= _SYMMETRIC:
                 return True
     return False
 
@@ -282,6 +291,11 @@ def _quality(w: str) -> bool:
     return lexicon.LEMMA.get(w) == w or (w.endswith("est") and len(w) > 5)
 
 
+# Content words between two things for them to be read as the two sides of one relation, at most: a sentence's
+# worth. It also bounds the cost of the pairs of things on long prompts (each pair reads what is between).
+_NEAR = 12
+
+
 # Endings that make a noun or an adjective of a verb: "replace" / "replacement", "infect" / "infection".
 _DERIVATIONS = ("ment", "ments", "ement", "ion", "ions", "ation", "ition", "al", "ance", "ence", "er", "ers", "or")
 
@@ -318,11 +332,11 @@ def _heads_swapped(a: Profile, b: Profile) -> bool:
         return [(content[i], content[i + 1], i) for i in range(len(content) - 1) if content[i][0] != "<"]
 
     in_b = {(u, h): i for u, h, i in kinds(b.content)}
-    found = kinds(a.content)
-    for u, h, i in found:
-        for v, h2, j in found:
-            if h2 != h or v == u or j <= i or (u, h) not in in_b or (v, h) not in in_b:
-                continue
-            if in_b[(v, h)] < in_b[(u, h)] and COORDINATOR_TAG not in a.content[i:j]:
+    found = [k for k in kinds(a.content) if k[:2] in in_b]  # in a's order
+    for n, (u, h, i) in enumerate(found):
+        for v, h2, j in found[n + 1 :]:
+            if j - i > _NEAR:
+                break
+            if h2 == h and v != u and in_b[(v, h)] < in_b[(u, h)] and COORDINATOR_TAG not in a.content[i:j]:
                 return True
     return False

@@ -113,3 +113,20 @@ def test_a_stopped_server_ends_the_subscription_and_a_restarted_one_takes_a_new_
         task.cancel()
 
     asyncio.run(run())
+
+
+def test_a_server_that_does_not_speak_resp_is_a_lost_subscription() -> None:
+    async def run() -> None:
+        async def http(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+
+        server = await asyncio.start_server(http, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            with pytest.raises(SubscriptionLost, match="does not speak RESP"):
+                await asyncio.wait_for(_wait_subscribed(f"redis://127.0.0.1:{port}/0", asyncio.Event(), []), 5)
+
+    asyncio.run(run())

@@ -312,3 +312,21 @@ def test_every_rule_is_cheap() -> None:
             for a, b in profiles:
                 check(a, b)
         assert (time.perf_counter() - started) / (5 * len(profiles)) < 1e-3, name
+
+
+def test_long_adversarial_prompts_compare_in_bounded_time() -> None:
+    # The longest text the cache takes (max_text_chars 2000), its words reordered so that every pair of things
+    # is "swapped": the pairwise rules look only at things near each other (a 1.4 s compare before they did).
+    import random
+
+    rng = random.Random(1)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(3)) for _ in range(500)]
+    a = " ".join(words)[:1999].split()
+    rotated = " ".join(a[len(a) // 2 :] + a[: len(a) // 2])
+    letters = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "q", "r", "s", "t", "v", "w", "x", "z"]
+    one = " ".join(letters[i % len(letters)] for i in range(1000))[:2000]
+    for x, y in ((" ".join(a), rotated), (one, " ".join(reversed(one.split())))):
+        px, py = profile(x), profile(y)
+        started = time.perf_counter()
+        compare(px, py)
+        assert time.perf_counter() - started < 0.2  # about 2 ms here; 1.4 s before

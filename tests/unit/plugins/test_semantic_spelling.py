@@ -39,3 +39,20 @@ def test_a_slip_is_mended(speller: Speller, written: str, mended: str) -> None:
 )
 def test_what_is_left_as_written(speller: Speller, text: str) -> None:
     assert speller.fix(text) == text
+
+
+def test_the_slips_are_those_the_guards_call_typos() -> None:
+    from plugins.semantic_cache.lexicon import typo_of
+    from plugins.semantic_cache.spelling import _slips
+
+    for word in ("driving", "route", "houseplants", "solar", "abcdefghijklmno"):
+        slips = _slips(word)
+        assert slips
+        assert all(typo_of(word, s) for s in slips), word
+
+
+def test_a_quoted_phrase_and_a_long_or_noisy_text_are_left_alone(speller: Speller) -> None:
+    assert speller.fix('What does "carpe diem" mean?') == 'What does "carpe diem" mean?'  # not "care diem"
+    assert speller.fix("What does `drriving` return in the code?") == "What does `drriving` return in the code?"
+    noisy = "the qwrtyzx plmoknij uhbygvtf rdxesz aqwsde"  # more unknown words than a typo makes: no English
+    assert speller.fix(noisy) == noisy

@@ -17,15 +17,15 @@ import hiredis
 from gateway.state.resp import Arg, encode, parse_url
 
 
+class SubscriptionLost(ConnectionError):
+    """The server refused a command, closed the connection, or did not answer a PING within the quiet time."""
+
+
 def _next(parser: hiredis.Reader, host: str, port: int) -> object:
     try:
         return parser.gets()
     except hiredis.ProtocolError as exc:  # not Redis at that address (an HTTP port, a TLS alert), or a broken stream
         raise SubscriptionLost(f"{host}:{port} does not speak RESP: {exc}") from None
-
-
-class SubscriptionLost(ConnectionError):
-    """The server refused a command, closed the connection, or did not answer a PING within the quiet time."""
 
 
 async def subscribe(

@@ -468,8 +468,6 @@ def profile(text: str) -> Profile:
     )
 
 
-# Auxiliaries that put a subject before a verb ("does X affect Y", "can X lead to Y"); "is" is left out, as
-# "what is the meaning of X" has no subject-verb order to read.
 _PREPOSITIONS = frozenset(
     _words("""of in on at by for with about as into onto upon within out off to from than before after over towards
     toward against under between among through during without per via across behind beyond near around like unlike""")
@@ -524,7 +522,7 @@ def _asked(words: list[str]) -> str:
     for i, w in enumerate(words):
         after = words[i + 1] if i + 1 < len(words) else ""
         if w in ("who", "whom", "whose", "why"):
-            return "who" if w != "why" else "why"
+            return "why" if w == "why" else "who"
         if w in ("when", "where"):
             if after in _YES_NO or after == "to":
                 return w
@@ -579,6 +577,8 @@ def _clause_subjects(tokens: list[Token]) -> tuple[tuple[str, str], ...]:
     return tuple(found)
 
 
+# Auxiliaries that put a subject before a verb ("does X affect Y", "can X lead to Y"); "is" is left out, as
+# "what is the meaning of X" has no subject-verb order to read.
 _AUXILIARIES = frozenset(_words("do does did can could will would should"))
 _DETERMINERS = frozenset(_words("a an the my your his her their our its this that these those some any"))
 

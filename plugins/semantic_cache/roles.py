@@ -5,6 +5,7 @@ words in order, with relation markers and "and"/"or" kept as tags (profiles.py m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from plugins.semantic_cache import lexicon
@@ -157,7 +158,20 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
     shared = [w for w in pos_a if w in pos_b]
     named = a.entities | b.entities
     shared = [w for w in shared if not _adjective(w)]
-    for n, u in enumerate(shared):  # in a's order
+    for u, v, words_a, words_b in _crossings(a, b, pos_a, pos_b, shared):
+        if a.passive == b.passive and _one_relation(words_a, words_b):
+            return True  # "can X replace Y" / "is Y a good replacement for X"; "Y be replaced by X" is not
+        if a.passive == b.passive and u in named and v in named and words_a - named and words_b - named:
+            return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
+    return _heads_swapped(a, b) or _arguments_swapped(a, b, pos_a, pos_b)
+
+
+def _crossings(
+    a: Profile, b: Profile, pos_a: dict[str, int], pos_b: dict[str, int], shared: list[str]
+) -> Iterator[tuple[str, str, set[str], set[str]]]:
+    """Pairs of shared things (in a's order) in the other order on the two sides, near each other on both and not
+    joined by "and", "or", "vs": each with the content words between them on each side."""
+    for n, u in enumerate(shared):
         for v in shared[n + 1 :]:
             if pos_a[v] - pos_a[u] > _NEAR:
                 break  # two things a relation joins stand near each other; this bounds the pairs' cost
@@ -167,13 +181,7 @@ def roles_swapped(a: Profile, b: Profile) -> bool:
             between_b = _between(b.content, pos_b[u], pos_b[v])
             if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
                 continue
-            words_a = {w for w in between_a if w[0] != "<"}
-            words_b = {w for w in between_b if w[0] != "<"}
-            if a.passive == b.passive and _one_relation(words_a, words_b):
-                return True  # "can X replace Y" / "is Y a good replacement for X"; "Y be replaced by X" is not
-            if a.passive == b.passive and u in named and v in named and words_a - named and words_b - named:
-                return True  # not "In Python, ... to JSON" / "... to JSON in Python": nothing between there
-    return _heads_swapped(a, b) or _arguments_swapped(a, b, pos_a, pos_b)
+            yield u, v, {w for w in between_a if w[0] != "<"}, {w for w in between_b if w[0] != "<"}
 
 
 def _arguments_swapped(a: Profile, b: Profile, pos_a: dict[str, int], pos_b: dict[str, int]) -> bool:
@@ -186,20 +194,9 @@ def _arguments_swapped(a: Profile, b: Profile, pos_a: dict[str, int], pos_b: dic
     # Agent nouns made of a verb of the antonym list ("buyer") are things; adjectives and superlatives are not.
     bare_a, bare_b = dict(a.bare), dict(b.bare)
     shared = [w for w in pos_a if w in pos_b and w in bare_a and w in bare_b and not _quality(w)]
-    for n, u in enumerate(shared):  # in a's order
-        for v in shared[n + 1 :]:
-            if pos_a[v] - pos_a[u] > _NEAR:
-                break
-            if (pos_a[u] < pos_a[v]) == (pos_b[u] < pos_b[v]):
-                continue
-            if bare_a[u] != bare_a[v] or bare_b[u] != bare_b[v]:
-                continue  # in different clauses: "If the landlord sells, can the tenant stay?"
-            between_a = _between(a.content, pos_a[u], pos_a[v])
-            between_b = _between(b.content, pos_b[u], pos_b[v])
-            if COORDINATOR_TAG in between_a or COORDINATOR_TAG in between_b:
-                continue
-            if any(w[0] != "<" for w in between_a) and any(w[0] != "<" for w in between_b):
-                return True
+    for u, v, words_a, words_b in _crossings(a, b, pos_a, pos_b, shared):
+        if bare_a[u] == bare_a[v] and bare_b[u] == bare_b[v] and words_a and words_b:
+            return True  # not in different clauses: "If the landlord sells, can the tenant stay?"
     return False
 
 

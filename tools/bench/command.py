@@ -217,7 +217,7 @@ def main(options: BenchOptions | argparse.Namespace) -> int:
         from tools.bench import overload as bench_overload
 
         seconds = 4.0 if options.preset == "smoke" else 15.0 if options.preset == "quick" else 30.0
-        status = bench_overload.main(seconds)
+        status = bench_overload.main(seconds, options.pin)
         options = replace(options, scenarios=tuple(name for name in options.scenarios if name != OVERLOAD))
         if not options.scenarios or status:
             return status

@@ -21,6 +21,7 @@ the gateway's own view of it (`x-sluice-overhead-ms`).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import signal
@@ -36,6 +37,7 @@ import httpx
 
 from gateway.telemetry.quantiles import percentile
 from plugins.auth.keys import new_key
+from tools.bench.fleet import Placement, placement
 
 REPLICAS = 4
 MAX_BATCH = 4
@@ -50,6 +52,7 @@ SIM_FLAGS = (
     *("--ttft-ms", str(TTFT_MS), "--tpot-ms", str(TPOT_MS), "--tokens", str(TOKENS)),
     *("--max-batch", str(MAX_BATCH), "--prefill-ms-per-token", "0", "--batch-slowdown", str(SLOWDOWN)),
 )
+CLIENT_STAGE = "receive"  # server-timing's stage for the client's wait for a body sent after its head
 LISTENING = re.compile(rb"listening on (http://\S+/v1)")
 
 
@@ -63,8 +66,9 @@ class Side:
     refusal_ms: list[float] = field(default_factory=list)  # the client's time to an immediate 503
     waited_ms: list[float] = field(default_factory=list)  # the client's time to a 503 after waiting its SLO
     refusal_own_ms: list[float] = field(default_factory=list)  # the gateway's own (x-sluice-overhead-ms)
-    # Per immediate refusal, its server-timing stages (ms): `parse` runs from the request's first byte, so it
-    # holds the wait for the event loop to start the request's task; `rest` is the own time after the stages.
+    # Per immediate refusal, its server-timing stages (ms): `parse` runs from the request's first byte (or from
+    # its body's, where that came after the head: the wait is then `receive`, the client's, not in the own view),
+    # so it holds the wait for the event loop to start the request's task; `rest` is the own time after them.
     refusal_stages: list[dict[str, float]] = field(default_factory=list)
     failed: int = 0  # anything else: an error status other than a 503 shed, or a broken stream
 
@@ -78,8 +82,13 @@ def capacity() -> float:
     return REPLICAS * MAX_BATCH / service_s()
 
 
-def start_sim(preemption: bool = False) -> tuple[subprocess.Popen[bytes], list[str]]:
+def pinned(cpu: int | None) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if cpu is not None else []
+
+
+def start_sim(preemption: bool = False, cpu: int | None = None) -> tuple[subprocess.Popen[bytes], list[str]]:
     command = [sys.executable, "-m", "gateway.cli", "sim", "--replicas", str(REPLICAS), "--port", "0", *SIM_FLAGS]
+    command = [*pinned(cpu), *command]
     if preemption:
         command.append("--priority-preemption")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -134,16 +143,15 @@ plugins: [auth, admission]
 
 
 class Gateway:
-    def __init__(self, text: str, directory: Path) -> None:
+    def __init__(self, text: str, directory: Path, cpu: int | None = None) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         path = directory / f"overload-{port}.yaml"
         path.write_text(text)
         self.base = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--port", str(port), "--log-level", "error"]
-        )
+        serve = ["serve", "-c", str(path), "--port", str(port), "--log-level", "error"]
+        self.proc = subprocess.Popen([*pinned(cpu), sys.executable, "-m", "gateway.cli", *serve])
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -198,13 +206,14 @@ async def one(client: httpx.AsyncClient, base: str, key: str, side: Side, seq: i
 
 
 def stages(timing: str, own: float) -> dict[str, float]:
-    """`server-timing` as stage -> ms, and `rest`: the gateway's own time not in a stage (sending the answer)."""
+    """`server-timing` as stage -> ms, and `rest`: the gateway's own time not in a stage (sending the answer).
+    `receive` (the client's wait for a body sent after its head) is kept, but outside the own time."""
     found: dict[str, float] = {}
     for entry in timing.split(","):
         name, _, duration = entry.strip().partition(";dur=")
         if duration and name != "overhead":
             found[name] = float(duration)
-    found["rest"] = own - sum(found.values())
+    found["rest"] = own - sum(ms for name, ms in found.items() if name != CLIENT_STAGE)
     return found
 
 
@@ -250,8 +259,15 @@ def row(run: str, name: str, side: Side, seconds: float) -> str:
     )
 
 
-def main(seconds: float = 30.0) -> int:
-    """Run the three runs, print the table; 0 when the targets are met."""
+def main(seconds: float = 30.0, pin: bool = True) -> int:
+    """Run the four runs, print the table; 0 when the targets are met.
+
+    Placed as the other scenarios are (tools/bench/fleet.py): each gateway on one CPU, the replicas' simulator and
+    this load generator on the other, so that what the gateway's figures hold is its own work and its loop's
+    waits, not the load generator's turns on the same core."""
+    where: Placement = placement(pin)
+    if where.harness_cpu is not None:
+        os.sched_setaffinity(0, {where.harness_cpu})
     cap = capacity()
     total = LOAD * cap
     top_rate = TOP_SHARE * total
@@ -264,7 +280,7 @@ def main(seconds: float = 30.0) -> int:
     fleets: dict[bool, list[str]] = {}
     try:
         for preemption in (True, False):
-            sim, fleets[preemption] = start_sim(preemption)
+            sim, fleets[preemption] = start_sim(preemption, where.harness_cpu)
             sims.append(sim)
     except RuntimeError as exc:
         for sim in sims:
@@ -280,7 +296,7 @@ def main(seconds: float = 30.0) -> int:
                 ("2x, with classes, engines do not preempt", True, False, overload),
                 ("2x, without classes", False, False, overload),
             ):
-                gateway = Gateway(config(fleets[preempts], digests, classes, preempts), Path(tmp))
+                gateway = Gateway(config(fleets[preempts], digests, classes, preempts), Path(tmp), where.gateway_cpu)
                 try:
                     results.append((run, asyncio.run(drive(gateway.base, keys, rates, seconds, len(results)))))
                 finally:
@@ -292,7 +308,7 @@ def main(seconds: float = 30.0) -> int:
             sim.wait(5)
     print(
         f"## Overload: {REPLICAS} replicas x {MAX_BATCH} slots, capacity ~{cap:.1f} req/s, offered {LOAD:g}x "
-        f"({total:.1f} req/s; top class {TOP_SHARE:.0%}), {seconds:g} s a run\n"
+        f"({total:.1f} req/s; top class {TOP_SHARE:.0%}), {seconds:g} s a run; {where.note}\n"
     )
     print(
         "| run | class | offered req/s | served | refused (503) | of which after waiting | failed | TTFT p50 ms "
@@ -330,15 +346,20 @@ def breakdown(refusals: list[dict[str, float]]) -> str:
     names = sorted({name for stages in refusals for name in stages}, key=lambda n: (n == "rest", n))
     parts = [f"{name} {p([s.get(name, 0.0) for s in refusals], 0.5):.3f} / "
              f"{p([s.get(name, 0.0) for s in refusals], 0.99):.3f}" for name in names]  # fmt: skip
-    slow = [s for s in refusals if sum(s.values()) >= 1.0]
-    worst = {name: sum(s.get(name, 0.0) for s in slow) for name in names}
+    own = [name for name in names if name != CLIENT_STAGE]
+    slow = [s for s in refusals if sum(s.get(name, 0.0) for name in own) >= 1.0]
+    worst = {name: sum(s.get(name, 0.0) for s in slow) for name in own}
     share = ", ".join(f"{name} {value / max(1e-9, sum(worst.values())):.0%}" for name, value in worst.items())
+    waited = sum(1 for s in refusals if CLIENT_STAGE in s)
     return (
-        f"Immediate refusals by stage, p50 / p99 ms (parse counts from the first byte, so it holds the wait for "
-        f"the event loop to start the request): {'; '.join(parts)}. Of the {len(slow)} over 1 ms, their time: "
+        f"Immediate refusals by stage, p50 / p99 ms (parse counts from the first byte, or from the body's where "
+        f"it came after the head, so it holds the wait for the event loop to start the request; `receive`, the "
+        f"client's wait for its body, is outside the own time): {'; '.join(parts)}. {waited} of "
+        f"{len(refusals)} had a body sent after the head. Of the {len(slow)} over 1 ms of own time, their time: "
         f"{share or '-'}."
     )
 
 
 if __name__ == "__main__":
-    sys.exit(main(float(sys.argv[1]) if len(sys.argv) > 1 else 30.0))
+    numbers = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
+    sys.exit(main(float(numbers[0]) if numbers else 30.0, "--no-pin" not in sys.argv))

@@ -62,9 +62,6 @@ class Exchange:
     hedged = False
     traceparent: bytes | None = None
     upstream_ms = 0.0  # time spent waiting on upstreams before the response head
-    # The client's time: the wait for a body that did not come with the head (the `receive` stage), not the
-    # gateway's own, so not in its overhead (an upload's pace is the client's and its network's).
-    receive_ms = 0.0
     pool_ms = 0.0  # of which getting a connection for the attempt that served
     route_ms = 0.0  # of which choosing endpoints (replicas) within backends
     routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)

@@ -283,7 +283,7 @@ class Pipeline:
             tap = await hook(ex, head)
             if tap is not None:
                 taps.append(tap)
-        overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms - ex.receive_ms
+        overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
         headers.append((b"server-timing", server_timing(ex.timings, overhead)))
         headers.append((b"x-sluice-overhead-ms", ms_value(overhead)))
         return head, tuple(taps)

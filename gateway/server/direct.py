@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from operator import itemgetter
 
@@ -116,7 +115,6 @@ class Direct:
     # What most requests never change, as class attributes: only what differs is set on the instance.
     body = b""  # received and not yet taken
     more_body = True  # the parser has not seen the body's end
-    received = 0.0  # perf_counter() when a body the request's task waited for was whole (else 0)
     ready = False  # something happened since the last receive(): body, its end, a disconnect
     waiter: asyncio.Future[None] | None = None
     gone: Callable[[], None] | None = None  # called once if the client leaves before the response is complete
@@ -162,8 +160,6 @@ class Direct:
 
     def ended(self) -> None:
         self.more_body = False
-        if self.waiter is not None:  # the body came after the head, and the request waits for it: here it is
-            self.received = time.perf_counter()
         self.wake()
 
     @property

@@ -116,23 +116,14 @@ class Intake:
         is one a waiting request holds (tests/integration/gateway/test_frames.py counts them)."""
         responder: Responder = cycle if door.wrap is None else door.wrap(cycle)
         ex: Exchange | None = None
-        received = 0.0
         try:
             body = cycle.whole()  # the common case: the body came with the head
             if body is None:
                 body = await request.read_body(cycle.receive, cycle.headers, self.max_body)
-                received = cycle.received or time.perf_counter()
             else:
                 body = request.taken(body, cycle.encoding, self.max_body)
             ex = door.parse(endpoint, cycle.headers, body, cycle.arrived, cycle.request_id, path_model)
-            if received:
-                # The wait for a body sent after its head is the client's (its upload, its network): a stage of
-                # its own, `receive`, from the first byte to the body's last as the loop read it, and not in the
-                # gateway's overhead. (A loop too busy to read the body at once shows here too: no socket
-                # timestamp tells the two apart.)
-                ex.receive_ms = receive_ms = (received - ex.started) * 1000.0
-                ex.timings.append(("receive", receive_ms))
-            self.aim(door, ex, received)
+            self.aim(door, ex)
         except request.ClientGone:
             return
         except errors.GatewayError as exc:
@@ -160,10 +151,9 @@ class Intake:
             return
         await self.serve(ex, responder)
 
-    def aim(self, door: Door, ex: Exchange, received: float = 0.0) -> None:
-        """The parsed Exchange's targets: its model's chain at this door, then the routing step's say. Parsing
-        is timed from the request's arrival, or from its body's where that came later (`received`)."""
-        ex.mark("parse", received or ex.started)
+    def aim(self, door: Door, ex: Exchange) -> None:
+        """The parsed Exchange's targets: its model's chain at this door, then the routing step's say."""
+        ex.mark("parse", ex.started)
         chain = door.chains.get(ex.model)
         if chain is None:
             raise door.unknown(ex.model)

@@ -28,8 +28,6 @@ ENTRY_BYTES = 6144  # the allowance per entry that max_bytes is divided by
 ERROR_CHARS = 512  # of an error's text shown
 # The stages whose time is the upstream's rather than the gateway's (overhead = total to head - these).
 UPSTREAM_STAGES = frozenset({"pool", "upstream"})
-# The client's: the wait for a body sent after its head (not in the overhead either).
-CLIENT_STAGES = frozenset({"receive"})
 # What the views read, made from a kept record when they ask: (wall time, request id, tenant, model, served
 # model, backend, endpoint, status, stream, total, ttft, tpot, overhead, upstream, timings, attempts, fallback,
 # labels, routed, usage, error).
@@ -171,7 +169,6 @@ def waterfall(entry: Entry) -> dict[str, Any]:
     each with its start (ms since arrival), duration and whose time it is (the gateway's or the upstream's)."""
     stages = []
     at = 0.0
-    client = 0.0
     pool_start: float | None = None
     for name, ms in entry[TIMINGS]:
         start = at
@@ -179,13 +176,7 @@ def waterfall(entry: Entry) -> dict[str, Any]:
             pool_start = at
         elif name == "upstream" and pool_start is not None:
             start = pool_start  # the upstream wait began with getting its connection
-        if name in UPSTREAM_STAGES:
-            kind = "upstream"
-        elif name in CLIENT_STAGES:
-            kind = "client"
-            client += ms
-        else:
-            kind = "gateway"
+        kind = "upstream" if name in UPSTREAM_STAGES else "gateway"
         stages.append(
             {
                 "name": name,
@@ -198,7 +189,7 @@ def waterfall(entry: Entry) -> dict[str, Any]:
         )
         at += ms
     overhead = entry[OVERHEAD]
-    head = overhead + entry[UPSTREAM] + client if overhead > 0 else None
+    head = overhead + entry[UPSTREAM] if overhead > 0 else None
     attempts = []
     offset = 0.0
     for model, ms, status in entry[ATTEMPTS]:

@@ -68,7 +68,7 @@ class Layout:
                 self.stages.append((stage, at, at + ms))
             at += ms
         # The head went out overhead + upstream wait after arrival; 0 overhead means it never did.
-        self.head = ex.overhead_ms + ex.upstream_ms + ex.receive_ms if ex.overhead_ms > 0 else None
+        self.head = ex.overhead_ms + ex.upstream_ms if ex.overhead_ms > 0 else None
         self.end = max(outcome.total_ms, at, self.head or 0.0)
         size = 1 + len(self.stages)
         if self.upstream is not None:

@@ -52,7 +52,6 @@ SIM_FLAGS = (
     *("--ttft-ms", str(TTFT_MS), "--tpot-ms", str(TPOT_MS), "--tokens", str(TOKENS)),
     *("--max-batch", str(MAX_BATCH), "--prefill-ms-per-token", "0", "--batch-slowdown", str(SLOWDOWN)),
 )
-CLIENT_STAGE = "receive"  # server-timing's stage for the client's wait for a body sent after its head
 LISTENING = re.compile(rb"listening on (http://\S+/v1)")
 
 
@@ -66,9 +65,8 @@ class Side:
     refusal_ms: list[float] = field(default_factory=list)  # the client's time to an immediate 503
     waited_ms: list[float] = field(default_factory=list)  # the client's time to a 503 after waiting its SLO
     refusal_own_ms: list[float] = field(default_factory=list)  # the gateway's own (x-sluice-overhead-ms)
-    # Per immediate refusal, its server-timing stages (ms): `parse` runs from the request's first byte (or from
-    # its body's, where that came after the head: the wait is then `receive`, the client's, not in the own view),
-    # so it holds the wait for the event loop to start the request's task; `rest` is the own time after them.
+    # Per immediate refusal, its server-timing stages (ms): `parse` runs from the request's first byte, so it
+    # holds the wait for the event loop to start the request's task; `rest` is the own time after the stages.
     refusal_stages: list[dict[str, float]] = field(default_factory=list)
     failed: int = 0  # anything else: an error status other than a 503 shed, or a broken stream
 
@@ -206,14 +204,13 @@ async def one(client: httpx.AsyncClient, base: str, key: str, side: Side, seq: i
 
 
 def stages(timing: str, own: float) -> dict[str, float]:
-    """`server-timing` as stage -> ms, and `rest`: the gateway's own time not in a stage (sending the answer).
-    `receive` (the client's wait for a body sent after its head) is kept, but outside the own time."""
+    """`server-timing` as stage -> ms, and `rest`: the gateway's own time not in a stage (sending the answer)."""
     found: dict[str, float] = {}
     for entry in timing.split(","):
         name, _, duration = entry.strip().partition(";dur=")
         if duration and name != "overhead":
             found[name] = float(duration)
-    found["rest"] = own - sum(ms for name, ms in found.items() if name != CLIENT_STAGE)
+    found["rest"] = own - sum(found.values())
     return found
 
 
@@ -346,16 +343,12 @@ def breakdown(refusals: list[dict[str, float]]) -> str:
     names = sorted({name for stages in refusals for name in stages}, key=lambda n: (n == "rest", n))
     parts = [f"{name} {p([s.get(name, 0.0) for s in refusals], 0.5):.3f} / "
              f"{p([s.get(name, 0.0) for s in refusals], 0.99):.3f}" for name in names]  # fmt: skip
-    own = [name for name in names if name != CLIENT_STAGE]
-    slow = [s for s in refusals if sum(s.get(name, 0.0) for name in own) >= 1.0]
-    worst = {name: sum(s.get(name, 0.0) for s in slow) for name in own}
+    slow = [s for s in refusals if sum(s.values()) >= 1.0]
+    worst = {name: sum(s.get(name, 0.0) for s in slow) for name in names}
     share = ", ".join(f"{name} {value / max(1e-9, sum(worst.values())):.0%}" for name, value in worst.items())
-    waited = sum(1 for s in refusals if CLIENT_STAGE in s)
     return (
-        f"Immediate refusals by stage, p50 / p99 ms (parse counts from the first byte, or from the body's where "
-        f"it came after the head, so it holds the wait for the event loop to start the request; `receive`, the "
-        f"client's wait for its body, is outside the own time): {'; '.join(parts)}. {waited} of "
-        f"{len(refusals)} had a body sent after the head. Of the {len(slow)} over 1 ms of own time, their time: "
+        f"Immediate refusals by stage, p50 / p99 ms (parse counts from the first byte, so it holds the wait for "
+        f"the event loop to start the request): {'; '.join(parts)}. Of the {len(slow)} over 1 ms, their time: "
         f"{share or '-'}."
     )
 

@@ -59,21 +59,6 @@ def test_a_waterfall_has_the_stages_and_durations_of_server_timing() -> None:
     assert waterfall["routed"] == {"endpoint": "10.0.0.1:8000", "policy": "least_load", "score": 0.5}
 
 
-def test_a_body_sent_after_its_head_is_the_clients_part_of_the_waterfall() -> None:
-    """The `receive` stage (server/intake.py) is the client's: its own kind, and the head's mark counts it, since
-    the overhead does not."""
-    ring = Ring(10, 1 << 20)
-    ex, outcome = request()
-    ex.timings.insert(0, ("receive", 3.0))
-    ex.receive_ms = 3.0
-    ring.record(ex, outcome, 200.0)
-    (entry,) = list(ring)
-    waterfall = console.waterfall(entry)
-    assert [s["kind"] for s in waterfall["stages"]] == ["client"] + ["gateway"] * 4 + ["upstream"] * 2
-    assert waterfall["stages"][1]["start_ms"] == 3.0  # parse after it
-    assert waterfall["marks"]["head_ms"] == 53.36  # overhead 0.61 + upstream 49.75 + the client's 3.0
-
-
 def test_filters() -> None:
     ring = Ring(10, 1 << 20)
     sent = (("a1", "chat", "acme", 200), ("b2", "big", "beta", 503), ("c3", "chat", "x", 429))

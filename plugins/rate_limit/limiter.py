@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -200,31 +200,48 @@ class RateLimit:
         if self.leases is not None:
             await self.leases.aclose()  # unused units go back to the shared buckets now, not at lapse
 
-    async def on_request(self, ex: Exchange) -> None:
+    def on_request(self, ex: Exchange) -> Awaitable[None] | None:
         # Reading or cancelling a stored object generates nothing, but costs a request like any other (its
         # model is STORED until the owner is read, after this plugin): a tenant cannot read without limit.
+        # A plain method: its answer is a coroutine only when the leases lack room and a sync must be waited
+        # for (the pipeline awaits it then); while leases last, no coroutine is made and run for a request.
         tenant = ex.tenant
         self.concurrency.enter(tenant)  # first: a request refused here is charged nothing
         ex.state[INFLIGHT] = tenant
         key = (tenant, ex.model)
         plan = self.plans.get(key)
         if plan is None:
-            return
+            return None
         reserved, completion = estimate(ex, self.default_max_tokens) if plan.tokens else (0, 0)
-        route = None
-        verdict = None
-        if self.leases is not None:
-            route = self.leases.routes[key]
-            costs = plan.costs(reserved)
-            verdict = self.leases.admit_now(route, costs)
-            if verdict is None:
-                try:
-                    verdict = await self.leases.admit(route, costs)
-                except StoreUnavailable:
-                    self.fallbacks += 1
-                    route = None
-        if verdict is None:
+        leases = self.leases
+        if leases is None:
             verdict = self.local.take(plan.keys, plan.check_args(reserved))
+            self._decided(ex, plan, verdict, reserved, completion, None)
+            return None
+        route = leases.routes[key]
+        costs = plan.costs(reserved)
+        found = leases.admit_now(route, costs)
+        if found is None:
+            return self._synced(ex, leases, plan, route, costs, (reserved, completion))
+        self._decided(ex, plan, found, reserved, completion, route)
+        return None
+
+    async def _synced(
+        self, ex: Exchange, leases: Leases, plan: Plan, route: Route, costs: list[int], tokens: tuple[int, int]
+    ) -> None:
+        """The leases lacked room: the verdict after a sync, or in process while Redis is unavailable."""
+        reserved, completion = tokens
+        try:
+            verdict = await leases.admit(route, costs)
+        except StoreUnavailable:
+            self.fallbacks += 1
+            self._decided(ex, plan, self.local.take(plan.keys, plan.check_args(reserved)), reserved, completion, None)
+            return
+        self._decided(ex, plan, verdict, reserved, completion, route)
+
+    def _decided(
+        self, ex: Exchange, plan: Plan, verdict: list[int], reserved: int, completion: int, route: Route | None
+    ) -> None:
         if not verdict[0]:
             if self.limited is not None:
                 self.limited.labels(self.tenant_label(ex.tenant), ex.model).inc()

@@ -71,6 +71,14 @@ async def limiter(clock: Clock, config: str = CONFIG) -> RateLimit:
     return plugin
 
 
+async def admit(plugin: RateLimit, ex: Exchange) -> None:
+    """on_request as the pipeline runs it: a plain method whose answer is awaited only when it is a coroutine
+    (the leases lacked room)."""
+    answered = plugin.on_request(ex)
+    if answered is not None:
+        await answered
+
+
 async def headers_of(plugin: RateLimit, ex: Exchange) -> dict[str, str]:
     """The headers its on_request gave the response (the pipeline adds them to the head)."""
     return {k.decode(): v.decode() for k, v in ex.response_headers or []}
@@ -78,7 +86,7 @@ async def headers_of(plugin: RateLimit, ex: Exchange) -> dict[str, str]:
 
 async def refused(plugin: RateLimit, ex: Exchange) -> RateLimitError:
     with pytest.raises(RateLimitError) as caught:
-        await plugin.on_request(ex)
+        await admit(plugin, ex)
     return caught.value
 
 
@@ -145,7 +153,7 @@ async def test_unlimited_tenants_cost_nothing() -> None:
     for tenant in ("free", "anonymous", "nobody"):
         ex = exchange(tenant)
         for _ in range(10):
-            assert await plugin.on_request(ex) is None  # type: ignore[func-returns-value]
+            assert plugin.on_request(ex) is None  # in process: answered without a coroutine
         assert ex.state == {INFLIGHT: tenant}  # counted in flight, and nothing reserved
         assert await headers_of(plugin, ex) == {}
     assert ("modelonly", "chat-large") not in plugin.plans  # a limit on another model only
@@ -156,7 +164,7 @@ async def test_requests_limit_and_headers() -> None:
     remaining = []
     for _ in range(3):
         ex = exchange("acme")
-        await plugin.on_request(ex)
+        await admit(plugin, ex)
         headers = await headers_of(plugin, ex)
         assert headers["x-ratelimit-limit-requests"] == "3"
         assert "x-ratelimit-limit-tokens" not in headers
@@ -185,7 +193,7 @@ async def test_retry_after_is_whole_seconds_rounded_up_and_at_least_one() -> Non
     clock = Clock()
     plugin = await limiter(clock)
     for _ in range(3):
-        await plugin.on_request(exchange("acme"))
+        await admit(plugin, exchange("acme"))
     clock.now += 19.5
     headers = dict((await refused(plugin, exchange("acme"))).headers)
     assert headers[b"retry-after"] == b"1"
@@ -202,7 +210,7 @@ async def test_tokens_are_reserved_and_corrected_from_usage() -> None:
     reserved, completion = estimate(first, 100)
     assert completion == 1000
     assert reserved == 1000 + len(first.body) // 4
-    await plugin.on_request(first)
+    await admit(plugin, first)
     headers = await headers_of(plugin, first)
     assert headers["x-ratelimit-limit-tokens"] == "2000"
     assert int(headers["x-ratelimit-remaining-tokens"]) == 2000 - reserved
@@ -212,17 +220,17 @@ async def test_tokens_are_reserved_and_corrected_from_usage() -> None:
     assert f"Limit 2000, Used {reserved}, Requested {reserved}." in error.message
     plugin.on_complete(first, Outcome(200, complete=True, usage={"total_tokens": 12}))
     second = exchange("tokenco", max_tokens=1000)
-    await plugin.on_request(second)
+    await admit(plugin, second)
     assert int((await headers_of(plugin, second))["x-ratelimit-remaining-tokens"]) == 2000 - 12 - reserved
 
 
 async def test_failed_request_refunds_the_completion_part() -> None:
     plugin = await limiter(Clock())
     failed = exchange("tokenco", max_tokens=1500)
-    await plugin.on_request(failed)
+    await admit(plugin, failed)
     plugin.on_complete(failed, Outcome(502, error="upstream failed"))
     probe = exchange("tokenco", max_tokens=1)
-    await plugin.on_request(probe)
+    await admit(plugin, probe)
     charged = len(failed.body) // 4 + estimate(probe, 100)[0]
     assert int((await headers_of(plugin, probe))["x-ratelimit-remaining-tokens"]) == 2000 - charged
 
@@ -230,7 +238,7 @@ async def test_failed_request_refunds_the_completion_part() -> None:
 async def test_completed_stream_without_usage_keeps_its_reservation() -> None:
     plugin = await limiter(Clock())
     streamed = exchange("tokenco", max_tokens=1500, stream=True)
-    await plugin.on_request(streamed)
+    await admit(plugin, streamed)
     plugin.on_complete(streamed, Outcome(200, complete=True))
     await refused(plugin, exchange("tokenco", max_tokens=1000))
 
@@ -238,10 +246,10 @@ async def test_completed_stream_without_usage_keeps_its_reservation() -> None:
 async def test_an_answer_from_a_plugin_costs_no_tokens() -> None:
     plugin = await limiter(Clock())
     cached = exchange("tokenco", max_tokens=1500)
-    await plugin.on_request(cached)
+    await admit(plugin, cached)
     plugin.on_complete(cached, Outcome(200, complete=True, source="cache"))
     probe = exchange("tokenco", max_tokens=1)
-    await plugin.on_request(probe)
+    await admit(plugin, probe)
     assert int((await headers_of(plugin, probe))["x-ratelimit-remaining-tokens"]) == 2000 - estimate(probe, 100)[0]
 
 
@@ -249,33 +257,33 @@ async def test_usage_above_the_reservation_is_charged() -> None:
     clock = Clock()
     plugin = await limiter(clock)
     ex = exchange("tokenco", max_tokens=10)
-    await plugin.on_request(ex)
+    await admit(plugin, ex)
     plugin.on_complete(ex, Outcome(200, complete=True, usage={"total_tokens": 2500}))
     error = await refused(plugin, exchange("tokenco", max_tokens=1))
     assert "Used 2500" in error.message
     clock.now += 16  # 500 tokens owed, then the request's own: 16 s at 2000 per minute is enough
-    await plugin.on_request(exchange("tokenco", max_tokens=1))
+    await admit(plugin, exchange("tokenco", max_tokens=1))
 
 
 async def test_a_reservation_larger_than_the_limit_waits_for_a_full_bucket() -> None:
     clock = Clock()
     plugin = await limiter(clock)
     big = exchange("tokenco", max_tokens=5000)
-    await plugin.on_request(big)  # capped at the capacity: admitted on a full bucket, never stuck
+    await admit(plugin, big)  # capped at the capacity: admitted on a full bucket, never stuck
     assert (await headers_of(plugin, big))["x-ratelimit-remaining-tokens"] == "0"
     error = await refused(plugin, exchange("tokenco", max_tokens=5000))
     assert dict(error.headers)[b"retry-after"] == b"60"
     plugin.on_complete(big, Outcome(200, complete=True, usage={"total_tokens": 100}))
-    await plugin.on_request(exchange("tokenco", max_tokens=5))
+    await admit(plugin, exchange("tokenco", max_tokens=5))
 
 
 async def test_requests_and_tokens_are_checked_together() -> None:
     plugin = await limiter(Clock())
-    await plugin.on_request(exchange("both", max_tokens=900))
+    await admit(plugin, exchange("both", max_tokens=900))
     error = await refused(plugin, exchange("both", max_tokens=900))
     assert error.type == "tokens"
     ex = exchange("both", max_tokens=1)
-    await plugin.on_request(ex)
+    await admit(plugin, ex)
     headers = await headers_of(plugin, ex)
     assert headers["x-ratelimit-remaining-requests"] == "98"  # the refused request took no request either
     assert headers["x-ratelimit-limit-tokens"] == "1000"
@@ -284,25 +292,25 @@ async def test_requests_and_tokens_are_checked_together() -> None:
 async def test_per_model_limits_add_to_the_tenant_limits() -> None:
     plugin = await limiter(Clock())
     for _ in range(2):
-        await plugin.on_request(exchange("permodel", "chat-large"))
+        await admit(plugin, exchange("permodel", "chat-large"))
     error = await refused(plugin, exchange("permodel", "chat-large"))
     assert error.message.startswith("Rate limit reached for chat-large in tenant permodel on requests per min")
     ex = exchange("permodel", "chat-small")
-    await plugin.on_request(ex)  # the tenant-wide bucket still has room
+    await admit(plugin, ex)  # the tenant-wide bucket still has room
     headers = await headers_of(plugin, ex)
     assert headers["x-ratelimit-limit-requests"] == "100"
     assert headers["x-ratelimit-remaining-requests"] == "97"
     # Where both apply, the headers show the tighter one.
     large = exchange("permodel", "chat-large")
     plugin.local.full_at.clear()
-    await plugin.on_request(large)
+    await admit(plugin, large)
     assert (await headers_of(plugin, large))["x-ratelimit-limit-requests"] == "2"
 
 
 async def test_model_only_limits() -> None:
     plugin = await limiter(Clock())
     ex = exchange("modelonly", "chat-small", max_tokens=400)
-    await plugin.on_request(ex)
+    await admit(plugin, ex)
     assert (await headers_of(plugin, ex))["x-ratelimit-limit-tokens"] == "500"
     assert await headers_of(plugin, exchange("modelonly", "chat-large")) == {}
 
@@ -331,7 +339,7 @@ async def test_redis_unreachable_fails_open_to_the_process() -> None:
     try:
         await plugin.startup(runtime(store))
         for _ in range(3):
-            await plugin.on_request(exchange("acme"))
+            await admit(plugin, exchange("acme"))
         await refused(plugin, exchange("acme"))  # the process still limits
     finally:
         await store.aclose()
@@ -511,14 +519,14 @@ async def test_requests_in_flight_are_capped_per_tenant() -> None:
     assert plugin.concurrency.default == 512  # half of pool.max_connections (1024)
     plugin.concurrency.default = 2
     first, second = exchange("free"), exchange("free")
-    await plugin.on_request(first)
-    await plugin.on_request(second)
+    await admit(plugin, first)
+    await admit(plugin, second)
     with pytest.raises(RateLimitError) as caught:
-        await plugin.on_request(exchange("free"))
+        await admit(plugin, exchange("free"))
     assert caught.value.code == "concurrency_limit"
     assert caught.value.status == 429
     assert (b"retry-after", b"1") in caught.value.headers
-    await plugin.on_request(exchange("anonymous"))  # another tenant is not affected
+    await admit(plugin, exchange("anonymous"))  # another tenant is not affected
     plugin.on_complete(first, Outcome(status=200, complete=True))
-    await plugin.on_request(exchange("free"))  # one ended: room for one more
+    await admit(plugin, exchange("free"))  # one ended: room for one more
     assert plugin.concurrency.inflight == {"free": 2, "anonymous": 1}

@@ -202,8 +202,8 @@ class Tracing:
         # Most requests carry no traceparent: one dict lookup tells, and only one that does is parsed.
         found = incoming(ex.headers) if ex.header(b"traceparent") is not None else None
         if found is not None:
-            trace_hex = found[2]
-            sampled = int(found[4], 16) & 1
+            trace_hex = found[1]
+            sampled = int(found[3], 16) & 1
         else:
             trace_id = random.getrandbits(128) or 1
             trace_hex = b"%032x" % trace_id
@@ -227,7 +227,7 @@ class Tracing:
             self.count("dropped", layout.size)
             return None
         found = incoming(ex.headers) if ex.header(b"traceparent") is not None else None
-        remote = (int(found[3], 16), True) if found is not None else None
+        remote = (int(found[2], 16), True) if found is not None else None
         try:
             made = layout.spans(int(trace_hex, 16), remote, self, time.time_ns(), time.perf_counter())
         except (TypeError, ValueError, OverflowError):  # an attribute OTLP cannot carry: a bug, not the client's

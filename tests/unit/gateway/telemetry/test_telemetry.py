@@ -155,6 +155,11 @@ def span_id(span: ReadableSpan) -> int:
         (f"00-{'0' * 32}-{PARENT}-01", False),
         (f"00-{TRACE}-{'0' * 16}-01", False),
         (f"00-{TRACE}-{PARENT}", False),
+        (f"0-0{TRACE}-{PARENT}-01", False),  # three dashes, one out of place
+        (f"00-{TRACE[:-1]}-{PARENT}-01x", False),
+        (f"01-{TRACE}-{PARENT}-01x", False),  # a later version's fields follow a dash
+        (f"00-{TRACE}-{PARENT}-0g", False),
+        (f" 00-{TRACE}-{PARENT}-01 ", True),  # surrounding whitespace is not the value's
         ("garbage", False),
     ],
 )
@@ -201,8 +206,8 @@ def test_begin_starts_a_trace(traced: tuple[Tracing, InMemorySpanExporter, Fates
     assert ex.traceparent is not None
     found = tracecontext.incoming([(b"traceparent", ex.traceparent)])
     assert found is not None
-    assert found[1] == b"00"
-    assert found[4] == b"01"
+    assert found[0] == b"00"
+    assert found[3] == b"01"
     other = exchange(upstreams)
     tracing.begin(other)
     assert other.traceparent is not None

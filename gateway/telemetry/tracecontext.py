@@ -17,8 +17,10 @@ if TYPE_CHECKING:
     from gateway.settings import TelemetrySettings
 
 # version-traceid-parentid-flags in lower-case hex, 55 bytes; versions after 00 may append "-" and fields.
-# Read by position rather than by a regular expression: a request that carries one pays about 1k instructions
-# for it instead of about 6k (the match object and its groups included).
+# Read by position, with the hex checked by one translate(), rather than by a regular expression: about 4.5k
+# instructions compiled against about 6k (the match object and its groups), and no slower interpreted (0.35 us
+# for the check against 0.65 us for the match and its groups). A loop over the bytes is cheaper compiled but
+# ten times slower interpreted.
 TRACEPARENT_BYTES = 55
 HEX_AND_DASH = b"0123456789abcdef-"
 NO_TRACE = b"0" * 32

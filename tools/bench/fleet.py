@@ -146,6 +146,11 @@ def bench_file(name: str) -> Path:
     return found.resolve()
 
 
+def pinned(cpu: int | None) -> list[str]:
+    """The prefix that runs a command on `cpu` (taskset), or nothing where the placement pins nothing."""
+    return ["taskset", "-c", str(cpu)] if cpu is not None else []
+
+
 def spawn(
     name: str,
     command: list[str],
@@ -155,7 +160,7 @@ def spawn(
     cwd: str | None = None,
 ) -> Child:
     """A child process; `workdir` is its working directory and removed when it stops, `cwd` one that is kept."""
-    prefix = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    prefix = pinned(cpu)
     log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child; Child.stop closes it
     popen = subprocess.Popen(
         [*prefix, *command],

@@ -37,7 +37,7 @@ import httpx
 
 from gateway.telemetry.quantiles import percentile
 from plugins.auth.keys import new_key
-from tools.bench.fleet import Placement, placement
+from tools.bench.fleet import Placement, pinned, placement
 
 REPLICAS = 4
 MAX_BATCH = 4
@@ -78,10 +78,6 @@ def service_s() -> float:
 
 def capacity() -> float:
     return REPLICAS * MAX_BATCH / service_s()
-
-
-def pinned(cpu: int | None) -> list[str]:
-    return ["taskset", "-c", str(cpu)] if cpu is not None else []
 
 
 def start_sim(preemption: bool = False, cpu: int | None = None) -> tuple[subprocess.Popen[bytes], list[str]]:
@@ -263,8 +259,16 @@ def main(seconds: float = 30.0, pin: bool = True) -> int:
     this load generator on the other, so that what the gateway's figures hold is its own work and its loop's
     waits, not the load generator's turns on the same core."""
     where: Placement = placement(pin)
+    cpus = os.sched_getaffinity(0)
     if where.harness_cpu is not None:
         os.sched_setaffinity(0, {where.harness_cpu})
+    try:
+        return _run(seconds, where)
+    finally:
+        os.sched_setaffinity(0, cpus)  # the scenarios after this one place their own processes from every CPU
+
+
+def _run(seconds: float, where: Placement) -> int:
     cap = capacity()
     total = LOAD * cap
     top_rate = TOP_SHARE * total

@@ -87,6 +87,7 @@ MODULES = [
     "plugins/cache/flight.py",
     "plugins/cache/l1.py",
     "plugins/cache/layout.py",
+    "plugins/cache/presence.py",
 ]
 MODULES += ["gateway/pipeline.py", "gateway/server/direct.py", "gateway/server/reader.py"]  # the spine: one line
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.state.resp import Arg, Node, Options, ReplyError, address
+from gateway.state.resp import Arg, Node, Options, ReplyError, address, scan
 
 SLOTS = 16384
 SCRIPTED = frozenset({"EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO", "FCALL", "FCALL_RO"})  # key at 3 if numkeys
@@ -176,6 +176,17 @@ class Cluster:
                 if not isinstance(results[index], ReplyError):  # a broadcast's answer: the first error, if any
                     results[index] = reply
         return results
+
+    async def scan(self, match: str, each: Callable[[list[bytes]], None]) -> None:
+        """Every master's keys that match: a master that fails over meanwhile fails the scan (ConnectionError),
+        since its replica's keys were never looked at."""
+        if not self.masters:
+            await self.loaded()
+        masters = list(self.masters)
+        for master in masters:
+            await scan(master, match, each)
+        if self.masters != masters:
+            raise ConnectionError("the cluster's masters changed during the scan")
 
     async def loaded(self) -> None:
         """Wait for the first slot map (shared by every call that arrives before it)."""

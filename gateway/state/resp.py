@@ -50,6 +50,8 @@ class Client(Protocol):
 
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]: ...
 
+    async def scan(self, match: str, each: Callable[[list[bytes]], None]) -> None: ...
+
     async def aclose(self) -> None: ...
 
 
@@ -481,5 +483,24 @@ class Redis:
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
         return await self.node.pipeline(commands)
 
+    async def scan(self, match: str, each: Callable[[list[bytes]], None]) -> None:
+        await scan(self.node, match, each)
+
     async def aclose(self) -> None:
         self.node.close()
+
+
+SCAN_COUNT = 1000  # keys a SCAN step looks at: a step takes Redis well under a millisecond
+
+
+async def scan(node: Node, match: str, each: Callable[[list[bytes]], None]) -> None:
+    """`each` batch of the keys matching `match` on `node`, a SCAN step at a time: a key there from the first
+    step to the last is seen at least once; one added or removed meanwhile may or may not be."""
+    cursor: Arg = 0
+    while True:
+        reply = await node.call(("SCAN", cursor, "MATCH", match, "COUNT", SCAN_COUNT))
+        cursor, keys = reply
+        if keys:
+            each(keys)
+        if cursor == b"0":
+            return

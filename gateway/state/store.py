@@ -34,7 +34,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 from gateway.state.cluster import Cluster
@@ -150,6 +150,16 @@ class Store:
                 raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         self._check()
         return await self._guarded(self.client.pipeline(commands))  # type: ignore[no-any-return]
+
+    async def scan(self, match: str, each: Callable[[list[bytes]], None]) -> None:
+        """`each` batch of the keys matching `match` (every master's, on a cluster), off the request path:
+        outside the breaker both ways, as `pipeline(..., always=True)`; a failure is counted and raised as
+        StoreUnavailable, and the scan is over (a caller that needs it whole starts again)."""
+        try:
+            await self.client.scan(match, each)
+        except Exception as exc:
+            self.tally.failures += 1
+            raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
 
     async def run(self, script: Script, keys: Sequence[str], args: Sequence[Arg]) -> Any:
         """EVALSHA `script`; a Redis that has forgotten it (restarted, flushed) is sent the source (EVAL)."""

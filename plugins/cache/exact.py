@@ -24,11 +24,14 @@ from plugins.cache import layout
 from plugins.cache.config import CacheModel, CacheSection
 from plugins.cache.flight import Flight
 from plugins.cache.l1 import L1
+from plugins.cache.presence import CHANNEL, Presence, announcement
 from plugins.cache.replay import follow
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
     from gateway.context import Exchange
-    from gateway.plugin import Outcome, ResponseHead
+    from gateway.plugin import Outcome, Problem, ResponseHead
     from gateway.runtime import Runtime
     from gateway.settings import Settings
     from gateway.telemetry.tally import Tally
@@ -129,6 +132,11 @@ class Cache:
     # After auth: entries are per tenant. Reports the lookup's result as a metric label.
     schema: ClassVar[Schema] = Schema(section=CacheSection, model=CacheModel, after=("auth",), labels={LABEL: "none"})
 
+    @classmethod
+    def check(cls, config: Config, settings: Settings, listed: Sequence[str]) -> Iterable[Problem]:
+        if config.section.presence and not settings.redis.url:
+            yield "cache.presence", "needs redis.url: it tells which keys Redis may hold"
+
     def __init__(self, config: Config, settings: Settings) -> None:
         self.settings = base = config.section
         self.policies: dict[str, Policy | None] = {}
@@ -149,9 +157,19 @@ class Cache:
         self._writer: asyncio.Task[None] | None = None
         self.results: Tally | None = None  # sluice_cache_results_total, made at start-up
         self.tenant_label: Callable[[str], str] = str
+        # An entry lives in Redis until its TTL and stale_s have passed: the filter's generations are that long.
+        lifetime_s = max((p.ttl_s for p in self.policies.values() if p is not None), default=base.ttl_s) + self.stale_s
+        self.presence: Presence | None = Presence(base.presence_keys, lifetime_s) if base.presence else None
+        self._listener: asyncio.Task[None] | None = None
 
     async def startup(self, runtime: Runtime) -> None:
         self.store = runtime.store
+        if self.store is None:
+            self.presence = None
+        elif self.presence is not None:
+            self.presence.start()
+            listening = self.presence.listen(self.store, self.store.node_urls)
+            self._listener = asyncio.get_running_loop().create_task(listening)
         self.tenant_label = runtime.meter.tenant
         self.results = runtime.meter.tally(
             "sluice_cache_results_total",
@@ -160,6 +178,12 @@ class Cache:
         )
 
     async def shutdown(self) -> None:
+        if self.presence is not None:
+            self.presence.stop()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 await self._writer
@@ -182,7 +206,9 @@ class Cache:
         if control is None or control.find(b"no-cache") < 0:
             entry = self.l1.get(key)
             if entry is None:
-                entry = await self._l2_get(key)
+                presence = self.presence
+                if presence is None or presence.maybe(key):
+                    entry = await self._l2_get(key)
             elif entry.fresh:
                 self.stats["hit_l1"] += 1
             if entry is not None and entry.fresh:
@@ -351,6 +377,8 @@ class Cache:
         self.stats["stored"] += 1
         if self.store is None:
             return
+        if self.presence is not None:
+            self.presence.add(key)
         ttl_ms = max(int((entry.expires - time.time()) * 1000), 1)
         pending = self._pending
         pending.append(("SET", key, entry.record(), "PX", ttl_ms))
@@ -366,11 +394,11 @@ class Cache:
             while self._pending:
                 batch = self._pending[:WRITE_BATCH]
                 del self._pending[:WRITE_BATCH]
+                # Announced after the SETs, in their round trip (plugins/cache/presence.py): by every gateway,
+                # so that one that reads announcements never misses a key another stored.
+                told = announcement([command[1] for command in batch])
                 try:
-                    if len(batch) == 1:
-                        await self.store.execute(*batch[0])
-                    else:
-                        await self.store.pipeline(batch)
+                    await self.store.pipeline([*batch, ("PUBLISH", CHANNEL, told)])
                 except StoreUnavailable:
                     self._pending.clear()  # Redis is down: L1 serves; entries come back on later misses
         finally:

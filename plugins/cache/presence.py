@@ -1,0 +1,224 @@
+"""Which cache keys Redis may hold, so that a lookup Redis cannot answer is not sent.
+
+With every stage on, most of what a miss adds to the time to first token is its Redis GET: a round trip to
+another process, two wake-ups. Every writer announces the keys it stores (`announcement`: the last
+`DIGITS` hex digits of each key, published on `CHANNEL` in the same pipelined round trip as the SETs, by
+every gateway with Redis whether or not it reads them), and a gateway with `cache.presence` on keeps them
+in a Bloom filter: a key with no mention is not in Redis, and its GET is skipped.
+
+- **Generations.** An entry lives in Redis at most `lifetime_s` (the longest TTL plus `stale_s`). The filter
+  is two generations of that length: additions go to the young one, and at each turn the old one is dropped
+  and the young one becomes old, so a key is in one of the two for at least as long as its entry can live,
+  and the filter forgets what expired instead of filling up.
+- **Trust (the cache's rule for shared state: fail open).** The filter is only believed while it is whole:
+  subscribed without a gap since before a SCAN of the cache's keys ended (or for a whole lifetime, when no
+  SCAN can be made). Until then, and from the moment the subscription is lost (a closed connection, a PING
+  unanswered: Redis stopped, stalled or restarted empty), `maybe` is True for every key: a fault costs round
+  trips, never an answer. The filter only ever skips a lookup; it never serves one.
+- **What it can get wrong.** A false positive (about 1 % at the sized load) is a GET as before. A key stored
+  by another gateway is skipped for the moment its announcement takes to arrive: a miss that Redis could
+  have answered, as when two gateways miss at once. Keys written into Redis by anything that does not
+  announce them are not seen once the filter is trusted (`sluice cache prefill` goes through the pipeline
+  and announces).
+- **Cost.** Each gateway reads every gateway's announcements (one message per write batch) and holds two
+  bit arrays of about 1.2 bytes per key of `presence_keys` each. A lookup is a slice of the key, an int and
+  at most 14 bit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.state.store import StoreUnavailable
+from gateway.state.subscriber import subscribe
+from plugins.cache import layout
+
+if TYPE_CHECKING:
+    from gateway.state.store import Store
+
+log = logging.getLogger("sluice.cache")
+
+CHANNEL = "sluice:cache:v3:stored"
+# 60 bits of a key's sha256: a native int when compiled (below 2**62), split into two 30-bit hashes.
+DIGITS = 15
+HALF = 30
+LOW = (1 << HALF) - 1
+HASHES = 7  # probes per key: near the optimum for 10 bits a key (about 1 % false positives)
+BITS_PER_KEY = 10
+RETRY_S = 1.0  # after a lost subscription or a failed SCAN
+
+
+def announcement(keys: list[str]) -> bytes:
+    """What a writer publishes for `keys`: their last DIGITS hex digits, one after another."""
+    return "".join([key[-DIGITS:] for key in keys]).encode()
+
+
+class Bloom:
+    """A Bloom filter of 60-bit values: HASHES probes by double hashing, in a bit array of a power of two."""
+
+    __slots__ = ("bits", "mask")
+
+    def __init__(self, size_bits: int) -> None:
+        self.bits = bytearray(size_bits >> 3)
+        self.mask = size_bits - 1
+
+    def add(self, value: int) -> None:
+        bits, mask = self.bits, self.mask
+        first = value & LOW
+        step = (value >> HALF) | 1
+        for i in range(HASHES):
+            index = (first + i * step) & mask
+            bits[index >> 3] |= 1 << (index & 7)
+
+    def has(self, value: int) -> bool:
+        bits, mask = self.bits, self.mask
+        first = value & LOW
+        step = (value >> HALF) | 1
+        for i in range(HASHES):
+            index = (first + i * step) & mask
+            if not bits[index >> 3] & (1 << (index & 7)):
+                return False
+        return True
+
+
+def size_for(keys: int) -> int:
+    """Bits for `keys` keys at BITS_PER_KEY, rounded up to a power of two (at least 64 KiB of them)."""
+    wanted = max(keys * BITS_PER_KEY, 1 << 16)
+    return 1 << (wanted - 1).bit_length()
+
+
+class Presence:
+    def __init__(self, keys: int, lifetime_s: float) -> None:
+        self.size = size_for(keys)
+        self.lifetime_s = lifetime_s
+        self.young = Bloom(self.size)
+        self.old = Bloom(self.size)
+        self.trusted = False
+        self.skipped = 0  # lookups not sent to Redis
+        self.heard = 0  # keys announced (this gateway's own included)
+        self.resyncs = 0  # subscriptions (re)established, each followed by a SCAN
+        self.epoch = 0  # which subscription the running SCAN belongs to: a later one makes it moot
+        self.store: Store | None = None  # set by listen
+        self._turn: asyncio.TimerHandle | None = None
+        self._sync: asyncio.Task[None] | None = None
+
+    # the request path
+
+    def maybe(self, key: str) -> bool:
+        """False only when Redis cannot hold `key`; True while the filter is not whole."""
+        if not self.trusted:
+            return True
+        try:
+            value = int(key[-DIGITS:], 16)
+        except ValueError:
+            return True
+        if self.young.has(value) or self.old.has(value):
+            return True
+        self.skipped += 1
+        return False
+
+    def add(self, key: str) -> None:
+        """A key this gateway stores: known at once, before its own announcement comes back."""
+        with contextlib.suppress(ValueError):
+            self.young.add(int(key[-DIGITS:], 16))
+
+    # announcements and the SCAN
+
+    def hear(self, payload: bytes) -> None:
+        young = self.young
+        try:
+            if len(payload) % DIGITS:
+                raise ValueError(len(payload))
+            for start in range(0, len(payload), DIGITS):
+                young.add(int(payload[start : start + DIGITS], 16))
+        except ValueError:
+            # Not from a gateway of this layout: what it meant to say is unknown, so SCAN again.
+            self._untrust("a malformed announcement")
+            self._subscribed(self.epoch)
+            return
+        self.heard += len(payload) // DIGITS
+
+    def found(self, keys: list[bytes]) -> None:
+        young = self.young
+        for key in keys:
+            with contextlib.suppress(ValueError):
+                young.add(int(key[-DIGITS:], 16))
+
+    def _untrust(self, why: str) -> None:
+        """Announcements may have been missed: believe nothing until the next subscription has been synced."""
+        if self.trusted:
+            log.warning("cache presence filter not trusted (%s): every miss asks Redis until it is synced", why)
+        self.trusted = False
+        self.epoch += 1
+
+    # the generations
+
+    def start(self) -> None:
+        self._turn = asyncio.get_running_loop().call_later(self.lifetime_s, self.rotate)
+
+    def rotate(self) -> None:
+        old = self.old
+        old.bits[:] = bytes(len(old.bits))
+        self.old, self.young = self.young, old
+        self._turn = asyncio.get_running_loop().call_later(self.lifetime_s, self.rotate)
+
+    def stop(self) -> None:
+        if self._turn is not None:
+            self._turn.cancel()
+        if self._sync is not None:
+            self._sync.cancel()
+
+    # the listener
+
+    async def listen(self, store: Store, urls: list[str]) -> None:
+        """Hear announcements for good; after each (re)subscription, SCAN, then trust the filter.
+
+        On a cluster one node's subscription hears every PUBLISH; after a failure the next seed is tried."""
+        self.store = store
+        said = ""  # the last failure logged: one line when the reason changes, not one a second
+        for url in itertools.cycle(urls):
+            synced = functools.partial(self._subscribed, self.epoch)
+            try:
+                async with contextlib.aclosing(subscribe(url, CHANNEL, synced)) as it:
+                    async for payload in it:
+                        self.hear(payload)
+            except Exception as exc:  # whatever it was, the listener must live
+                reason = f"{type(exc).__name__}: {exc}"
+                if reason != said:
+                    log.warning("cache: presence subscription lost (%s); retrying every second", reason)
+                    said = reason
+            self._untrust("the subscription was lost")
+            await asyncio.sleep(RETRY_S)
+
+    def _subscribed(self, epoch: int) -> None:
+        if epoch != self.epoch or self.store is None:
+            return
+        self.resyncs += 1
+        if self._sync is not None:
+            self._sync.cancel()
+        self._sync = asyncio.get_running_loop().create_task(self._synced(self.store, epoch))
+
+    async def _synced(self, store: Store, epoch: int) -> None:
+        """Add every key Redis holds, then trust the filter if the subscription has had no gap meanwhile.
+
+        Announcements heard since the subscription began cover keys stored during the SCAN. Where no SCAN
+        completes (a cluster failing over, again and again), a whole lifetime of announcements does as well."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while epoch == self.epoch:
+            try:
+                await store.scan(layout.pattern(), self.found)
+            except StoreUnavailable as exc:
+                if loop.time() - since < self.lifetime_s:
+                    log.info("cache: presence SCAN failed (%s); trying again", exc)
+                    await asyncio.sleep(RETRY_S)
+                    continue
+            if epoch == self.epoch:
+                self.trusted = True
+                log.info("cache presence filter synced: lookups of keys no gateway stored skip Redis")
+            return

@@ -1,0 +1,166 @@
+"""The presence filter end to end: gateways on a real Redis (and Valkey, and a Redis Cluster) skip the GET of a key
+no gateway stored, hear each other's stores, and fall back to asking Redis whenever the filter may have missed one:
+Redis stalled (SIGSTOP), stopped, restarted empty."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from plugins.cache import Cache
+from plugins.cache.presence import Presence
+from tests.support.gateway import RunningGateway, gateway_thread
+from tests.support.redis import RedisCluster, RedisServer
+from tests.support.upstream import Ok, ScriptedUpstream
+from tests.support.wait import wait_until
+
+
+def config(upstream: str, redis_url: str, presence: bool = True) -> str:
+    return f"""
+backends:
+  up: {{type: openai, base_url: "{upstream}/v1", api_key: backend-key}}
+pool: {{warm_connections: 1}}
+models:
+  chat: {{backend: up, upstream_model: real-model}}
+redis: {{url: "{redis_url}"}}
+cache: {{presence: {str(presence).lower()}}}
+plugins: [cache]
+"""
+
+
+@pytest.fixture()
+def upstream() -> Iterator[ScriptedUpstream]:
+    with ScriptedUpstream(default=Ok(ttft_ms=5, tpot_ms=1, tokens=3)) as up:
+        yield up
+
+
+def presence_of(gw: RunningGateway) -> Presence:
+    assert gw.app is not None
+    assert gw.app.runtime is not None
+    cache = next(p for p in gw.app.runtime.plugins if isinstance(p, Cache))
+    assert cache.presence is not None
+    return cache.presence
+
+
+def synced(gw: RunningGateway, timeout: float = 30.0) -> Presence:
+    presence = presence_of(gw)
+    wait_until(lambda: presence.trusted, timeout, what="the presence filter synced")
+    return presence
+
+
+def ask(gw: RunningGateway, question: str) -> str:
+    """x-sluice-cache of one deterministic chat request."""
+    answer = httpx.post(
+        f"{gw.base_url}/chat/completions",
+        json={"model": "chat", "messages": [{"role": "user", "content": question}], "temperature": 0},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    return answer.headers["x-sluice-cache"]
+
+
+def gets(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return int(stats.get("cmdstat_get", {}).get("calls", 0))
+
+
+def stored(client: redis.Redis, n: int) -> None:
+    wait_until(lambda: len(client.keys("sluice:cache:v3:*")) >= n, what=f"{n} entries in Redis")
+
+
+def test_misses_skip_redis_and_gateways_hear_each_others_stores(
+    upstream: ScriptedUpstream, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    with (
+        gateway_thread(config(upstream.url, redis_server.url)) as one,
+        gateway_thread(config(upstream.url, redis_server.url)) as two,
+    ):
+        synced(one)
+        heard = synced(two)
+        client.config_resetstat()
+        for i in range(5):
+            assert ask(one, f"question {i}") == "miss"
+        stored(client, 5)
+        assert gets(client) == 0  # five misses, no lookup: nobody had stored those keys
+        assert presence_of(one).skipped == 5
+        wait_until(lambda: heard.heard >= 5, what="two hearing one's stores")
+        for i in range(5):
+            assert ask(two, f"question {i}") == "hit"  # from Redis: two never saw them itself
+        assert gets(client) == 5
+        assert ask(two, "never asked") == "miss"
+        assert gets(client) == 5
+
+
+def test_keys_stored_before_a_gateway_started_are_found_by_its_scan(
+    upstream: ScriptedUpstream, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    with gateway_thread(config(upstream.url, redis_server.url, presence=False)) as writer:
+        for i in range(3):
+            assert ask(writer, f"early {i}") == "miss"
+        stored(client, 3)
+    with gateway_thread(config(upstream.url, redis_server.url)) as late:
+        presence = synced(late)
+        assert presence.resyncs == 1
+        for i in range(3):
+            assert ask(late, f"early {i}") == "hit"
+
+
+def test_a_stalled_stopped_or_emptied_redis_makes_the_filter_ask_again(
+    upstream: ScriptedUpstream, redis_server: RedisServer
+) -> None:
+    with (
+        gateway_thread(config(upstream.url, redis_server.url)) as one,
+        gateway_thread(config(upstream.url, redis_server.url)) as two,
+    ):
+        presence = synced(two)
+        redis_server.pause()
+        try:
+            # Answered all the while; the subscription's PING goes unanswered and the filter stops being believed.
+            for i in range(3):
+                assert ask(two, f"stalled {i}") == "miss"
+            wait_until(lambda: not presence.trusted, 30, what="the stall noticed")
+            assert presence.maybe("sluice:cache:v3:{x}:chat:" + "0" * 64)
+        finally:
+            redis_server.resume()
+        wait_until(lambda: presence.trusted, 30, what="synced again after the stall")
+        resyncs = presence.resyncs
+        assert resyncs >= 2
+
+        redis_server.stop()
+        wait_until(lambda: not presence.trusted, 30, what="the stop noticed")
+        assert ask(two, "while stopped") == "miss"
+        redis_server.start()  # empty: nothing kept on disk
+        wait_until(lambda: presence.trusted and presence.resyncs > resyncs, 30, what="synced with the new Redis")
+        wait_until(lambda: one.store_available() and two.store_available(), what="the breakers' cool-down")
+        assert ask(one, "after the restart") == "miss"
+        client = redis_server.client()
+        stored(client, 1)
+        wait_until(lambda: presence.maybe(next(iter(client.keys("sluice:cache:v3:*"))).decode()), what="heard")
+        assert ask(two, "after the restart") == "hit"
+
+
+def test_on_a_cluster_every_gateway_hears_and_scans_every_master(
+    upstream: ScriptedUpstream, redis_cluster: RedisCluster
+) -> None:
+    url = redis_cluster.url
+    with (
+        gateway_thread(config(upstream.url, url)) as one,
+        gateway_thread(config(upstream.url, url)) as two,
+    ):
+        synced(one)
+        heard = synced(two)
+        # One tenant's keys share a slot (its hash tag), so they live on one master; the SCAN walks them all.
+        for i in range(10):
+            assert ask(one, f"cluster {i}") == "miss"
+        wait_until(lambda: heard.heard >= 10, what="two hearing one's stores through the cluster bus")
+        for i in range(10):
+            assert ask(two, f"cluster {i}") == "hit"
+    with gateway_thread(config(upstream.url, url)) as late:
+        synced(late)
+        for i in range(10):
+            assert ask(late, f"cluster {i}") == "hit"

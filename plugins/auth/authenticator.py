@@ -214,6 +214,9 @@ class Auth:
             log.warning("key sha256:%s... has a malformed record in redis; refusing it", hexdigest[:8])
             return None
 
+    def _changed(self, name: bytes) -> None:
+        self.cache.pop(name.decode(errors="replace"), None)
+
     async def _listen(self, urls: list[str]) -> None:
         """Drop cached entries named on the channel; after any gap in the subscription, drop them all.
 
@@ -228,9 +231,7 @@ class Auth:
 
         for url in itertools.cycle(urls):
             try:
-                async with contextlib.aclosing(subscribe(url, CHANNEL, subscribed)) as names:
-                    async for name in names:
-                        self.cache.pop(name.decode(errors="replace"), None)
+                await subscribe(url, CHANNEL, subscribed, self._changed)
             except Exception as exc:  # whatever it was, the listener must live: key changes depend on it
                 reason = f"{type(exc).__name__}: {exc}"
                 if reason != said:

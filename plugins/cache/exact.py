@@ -377,8 +377,6 @@ class Cache:
         self.stats["stored"] += 1
         if self.store is None:
             return
-        if self.presence is not None:
-            self.presence.add(key)
         ttl_ms = max(int((entry.expires - time.time()) * 1000), 1)
         pending = self._pending
         pending.append(("SET", key, entry.record(), "PX", ttl_ms))

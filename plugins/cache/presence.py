@@ -20,9 +20,10 @@ in a Bloom filter: a key with no mention is not in Redis, and its GET is skipped
   have answered, as when two gateways miss at once. Keys written into Redis by anything that does not
   announce them are not seen once the filter is trusted (`sluice cache prefill` goes through the pipeline
   and announces).
-- **Cost.** Each gateway reads every gateway's announcements (one message per write batch) and holds two
-  bit arrays of about 1.2 bytes per key of `presence_keys` each. A lookup is a slice of the key, an int and
-  at most 14 bit tests.
+- **Cost.** Each gateway reads every gateway's announcements (one message per write batch, its own included:
+  a gateway learns its own keys from them too, its L1 answering meanwhile) and holds two arrays of 1.5 to 3
+  bytes per key of `presence_keys` each (12 bits a key, rounded up to a power of two). A lookup is a slice of
+  the key, an int, a mask and at most two array reads.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import functools
 import itertools
 import logging
+from array import array
 from typing import TYPE_CHECKING
 
 from gateway.state.store import StoreUnavailable
@@ -44,12 +46,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.cache")
 
 CHANNEL = "sluice:cache:v3:stored"
-# 60 bits of a key's sha256: a native int when compiled (below 2**62), split into two 30-bit hashes.
+# 60 bits of a key's sha256 (a native int when compiled: below 2**62): the low PROBES * 5 bits say which bits of
+# a 32-bit word to set, the rest which word. One word per key (a blocked Bloom filter) is one array access and a
+# mask, not seven scattered bit tests: about 1.5 % false positives at BITS_PER_KEY, against 0.8 % unblocked.
 DIGITS = 15
-HALF = 30
-LOW = (1 << HALF) - 1
-HASHES = 7  # probes per key: near the optimum for 10 bits a key (about 1 % false positives)
-BITS_PER_KEY = 10
+PROBES = 5
+WORD_BITS = 32
+BITS_PER_KEY = 12
 RETRY_S = 1.0  # after a lost subscription or a failed SCAN
 
 
@@ -58,32 +61,34 @@ def announcement(keys: list[str]) -> bytes:
     return "".join([key[-DIGITS:] for key in keys]).encode()
 
 
-class Bloom:
-    """A Bloom filter of 60-bit values: HASHES probes by double hashing, in a bit array of a power of two."""
+def mask_of(value: int) -> int:
+    return (
+        1 << (value & 31)
+        | 1 << ((value >> 5) & 31)
+        | 1 << ((value >> 10) & 31)
+        | 1 << ((value >> 15) & 31)
+        | 1 << ((value >> 20) & 31)
+    )
 
-    __slots__ = ("bits", "mask")
+
+class Bloom:
+    """A blocked Bloom filter of 60-bit values: PROBES bits in one 32-bit word of a power-of-two array."""
+
+    __slots__ = ("last", "words")
 
     def __init__(self, size_bits: int) -> None:
-        self.bits = bytearray(size_bits >> 3)
-        self.mask = size_bits - 1
+        self.words = array("I", bytes(size_bits >> 3))
+        self.last = len(self.words) - 1  # a mask: the word count is a power of two
 
     def add(self, value: int) -> None:
-        bits, mask = self.bits, self.mask
-        first = value & LOW
-        step = (value >> HALF) | 1
-        for i in range(HASHES):
-            index = (first + i * step) & mask
-            bits[index >> 3] |= 1 << (index & 7)
+        self.words[(value >> 25) & self.last] |= mask_of(value)
 
     def has(self, value: int) -> bool:
-        bits, mask = self.bits, self.mask
-        first = value & LOW
-        step = (value >> HALF) | 1
-        for i in range(HASHES):
-            index = (first + i * step) & mask
-            if not bits[index >> 3] & (1 << (index & 7)):
-                return False
-        return True
+        mask = mask_of(value)
+        return self.words[(value >> 25) & self.last] & mask == mask
+
+    def clear(self) -> None:
+        self.words = array("I", bytes(len(self.words) * 4))
 
 
 def size_for(keys: int) -> int:
@@ -122,11 +127,6 @@ class Presence:
         self.skipped += 1
         return False
 
-    def add(self, key: str) -> None:
-        """A key this gateway stores: known at once, before its own announcement comes back."""
-        with contextlib.suppress(ValueError):
-            self.young.add(int(key[-DIGITS:], 16))
-
     # announcements and the SCAN
 
     def hear(self, payload: bytes) -> None:
@@ -163,7 +163,7 @@ class Presence:
 
     def rotate(self) -> None:
         old = self.old
-        old.bits[:] = bytes(len(old.bits))
+        old.clear()
         self.old, self.young = self.young, old
         self._turn = asyncio.get_running_loop().call_later(self.lifetime_s, self.rotate)
 
@@ -184,9 +184,7 @@ class Presence:
         for url in itertools.cycle(urls):
             synced = functools.partial(self._subscribed, self.epoch)
             try:
-                async with contextlib.aclosing(subscribe(url, CHANNEL, synced)) as it:
-                    async for payload in it:
-                        self.hear(payload)
+                await subscribe(url, CHANNEL, synced, self.hear)
             except Exception as exc:  # whatever it was, the listener must live
                 reason = f"{type(exc).__name__}: {exc}"
                 if reason != said:

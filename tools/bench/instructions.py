@@ -68,6 +68,9 @@ CONFIGURATIONS: dict[str, tuple[str, ...]] = {
     "bare": BARE,
     **{f"+{s}": (s,) for s in STAGES},
     "full": FULL,
+    # The cache's presence filter (cache.presence): a miss skips its Redis GET, and the gateway hears its own stores.
+    "+presence": ("cache", "presence"),
+    "full+presence": (*FULL, "presence"),
     MESSAGES: BARE,
 }
 MESSAGES_PATH = b"/v1/messages"
@@ -144,6 +147,8 @@ def gateway_config(stages: Sequence[str], ports: dict[str, int], key_hash: str) 
         config["redis"] = {"url": f"redis://127.0.0.1:{ports['redis']}/0"}
     if "cache" in stages:
         config["cache"] = {"mode": "always"}  # every request below is a prompt never sent before: a miss
+        if "presence" in stages:
+            config["cache"]["presence"] = True
     if "cascade" in stages:
         # The small model first, its answer passing: the same upstream under another name, whose answers the
         # checks pass (`length` left out: the workload's max_tokens cuts every answer).

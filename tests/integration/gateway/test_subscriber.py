@@ -17,8 +17,7 @@ CHANNEL = "sluice:test"
 
 
 async def _wait_subscribed(url: str, subscribed: asyncio.Event, got: list[bytes], quiet_s: float = 5.0) -> None:
-    async for message in subscribe(url, CHANNEL, subscribed.set, quiet_s=quiet_s):
-        got.append(message)
+    await subscribe(url, CHANNEL, subscribed.set, got.append, quiet_s=quiet_s)
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -64,8 +63,7 @@ def test_password_and_database_come_from_the_url(redis_server: RedisServer) -> N
     assert asyncio.run(run()) == [b"k"]
 
     async def refused() -> None:
-        async for _ in subscribe(f"redis://:wrong@127.0.0.1:{redis_server.port}/0", CHANNEL, lambda: None):
-            pass
+        await subscribe(f"redis://:wrong@127.0.0.1:{redis_server.port}/0", CHANNEL, lambda: None, lambda _: None)
 
     with pytest.raises(SubscriptionLost, match="refused"):
         asyncio.run(asyncio.wait_for(refused(), 5))

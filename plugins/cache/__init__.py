@@ -14,7 +14,9 @@
 - Only complete successes are stored: a 200 whose stream reached its finish reason and `[DONE]`. The stored
   form is the answer's JSON bytes (a whole body as the upstream sent it, a stream assembled once), made
   after the response has ended; it replays as JSON or as SSE. Redis holds a one-line header and those
-  bytes, written by one background writer in pipelined batches; a miss costs one GET on the request path.
+  bytes, written by one background writer in pipelined batches, each ending with a PUBLISH of its keys; a miss
+  costs one GET on the request path, or none with `presence: true` when no gateway announced the key
+  (plugins/cache/presence.py: a Bloom filter believed only while its subscription has had no gap since a SCAN).
 - L1 is bounded by `l1_entries` and by `l1_bytes`, counting each entry's bytes, the SSE replays made of it
   and a fixed overhead for its key and bookkeeping. For the Responses API only a response whose
   status is `completed` is stored; background requests and reads of stored responses are never cached;

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import redis
 
+from plugins.auth.keys import new_key
 from plugins.cache import Cache
 from plugins.cache.presence import Presence
 from tests.support.gateway import RunningGateway, gateway_thread
@@ -17,17 +18,22 @@ from tests.support.redis import RedisCluster, RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
 from tests.support.wait import wait_until
 
+# Tenants whose entries land in different hash slots (a tenant is its keys' hash tag): on a cluster, on several masters.
+TENANTS = {f"t{n}": new_key() for n in range(6)}
+
 
 def config(upstream: str, redis_url: str, presence: bool = True) -> str:
+    tenants = "".join(f'  {name}: {{keys: ["{digest}"]}}\n' for name, (_, digest) in TENANTS.items())
     return f"""
 backends:
   up: {{type: openai, base_url: "{upstream}/v1", api_key: backend-key}}
 pool: {{warm_connections: 1}}
 models:
   chat: {{backend: up, upstream_model: real-model}}
-redis: {{url: "{redis_url}"}}
+tenants:
+{tenants}redis: {{url: "{redis_url}"}}
 cache: {{presence: {str(presence).lower()}}}
-plugins: [cache]
+plugins: [auth, cache]
 """
 
 
@@ -51,11 +57,12 @@ def synced(gw: RunningGateway, timeout: float = 30.0) -> Presence:
     return presence
 
 
-def ask(gw: RunningGateway, question: str) -> str:
+def ask(gw: RunningGateway, question: str, tenant: str = "t0") -> str:
     """x-sluice-cache of one deterministic chat request."""
     answer = httpx.post(
         f"{gw.base_url}/chat/completions",
         json={"model": "chat", "messages": [{"role": "user", "content": question}], "temperature": 0},
+        headers={"authorization": f"Bearer {TENANTS[tenant][0]}"},
         timeout=30,
     )
     assert answer.status_code == 200, answer.text
@@ -140,7 +147,9 @@ def test_a_stalled_stopped_or_emptied_redis_makes_the_filter_ask_again(
         assert ask(one, "after the restart") == "miss"
         client = redis_server.client()
         stored(client, 1)
-        wait_until(lambda: presence.maybe(next(iter(client.keys("sluice:cache:v3:*"))).decode()), what="heard")
+        (entry,) = client.keys("sluice:cache:v3:*")
+        assert isinstance(entry, bytes)
+        wait_until(lambda: presence.maybe(entry.decode()), what="two hearing one's store")
         assert ask(two, "after the restart") == "hit"
 
 
@@ -154,13 +163,23 @@ def test_on_a_cluster_every_gateway_hears_and_scans_every_master(
     ):
         synced(one)
         heard = synced(two)
-        # One tenant's keys share a slot (its hash tag), so they live on one master; the SCAN walks them all.
-        for i in range(10):
-            assert ask(one, f"cluster {i}") == "miss"
-        wait_until(lambda: heard.heard >= 10, what="two hearing one's stores through the cluster bus")
-        for i in range(10):
-            assert ask(two, f"cluster {i}") == "hit"
+        for tenant in TENANTS:
+            assert ask(one, "on a cluster", tenant) == "miss"
+        wait_until(lambda: heard.heard >= len(TENANTS), what="two hearing one's stores through the cluster bus")
+        for tenant in TENANTS:
+            assert ask(two, "on a cluster", tenant) == "hit"
+    wait_until(lambda: len(keys_on(redis_cluster)) == len(TENANTS), what="every tenant's entry in the cluster")
+    masters = {redis_cluster.master_of(key).port for key in keys_on(redis_cluster)}
+    assert len(masters) > 1  # the late gateway's SCAN must walk more than one master to find them all
     with gateway_thread(config(upstream.url, url)) as late:
         synced(late)
-        for i in range(10):
-            assert ask(late, f"cluster {i}") == "hit"
+        for tenant in TENANTS:
+            assert ask(late, "on a cluster", tenant) == "hit"
+
+
+def keys_on(cluster: RedisCluster) -> list[str]:
+    found: list[str] = []
+    for server in cluster.servers:
+        if cluster.is_master(server.port):
+            found += [str(key) for key in cluster.client(server.port).keys("sluice:cache:v3:*")]
+    return found

@@ -2,7 +2,8 @@
 
 One more gateway (`scenarios/full.yaml`) beside the core one and the direct upstream, all sent the same
 prompts, never seen before, so that every request through the full gateway is a cache miss: it looks up L1
-and Redis, goes upstream, and stores its answer. Per round: streaming TTFT at 50 and 200 req/s (open loop,
+(and asks its presence filter, which knows Redis cannot hold the key, so no Redis lookup), goes upstream, and
+stores its answer, announcing the key. Per round: streaming TTFT at 50 and 200 req/s (open loop,
 the three sides in turn), then max non-streaming throughput of core and full (closed loop) with the
 gateway's CPU per request. At the end, `fill_prompts` more unique prompts go through the full gateway and
 its peak RSS is read: the cache's L1 must keep it bounded however many answers it has stored.
@@ -137,9 +138,10 @@ def render(f: Full) -> list[str]:
         "## Full: every stage on",
         "",
         "`full.yaml`: auth (key in the config), rate_limit (buckets in Redis), cache `mode: always` on prompts never "
-        "sent before (every request a miss: an L1 and a Redis lookup, then a store), an SLO on every model, traces "
-        "sampled at 0.1 to an OTLP sink; beside the bare gateway (no plugins) and the direct upstream, all sent the "
-        "same prompts. TTFT from open loops; max throughput from a closed loop of non-streaming requests.",
+        "sent before (every request a miss: an L1 lookup, a presence filter that skips the Redis one, then a "
+        "store), an SLO on every model, traces sampled at 0.1 to an OTLP sink; beside the bare gateway (no "
+        "plugins) and the direct upstream, all sent the same prompts. TTFT from open loops; max throughput from a "
+        "closed loop of non-streaming requests.",
         "",
         f"| gateway | stream TTFT added p50 @{rates} req/s | TTFT p99 @{top:g}: direct / through / added "
         "| own view p50 @200 | max non-stream req/s | gateway CPU % | CPU ms per request | limited by |",

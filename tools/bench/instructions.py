@@ -146,9 +146,10 @@ def gateway_config(stages: Sequence[str], ports: dict[str, int], key_hash: str) 
     if "rate_limit" in stages or "cache" in stages:
         config["redis"] = {"url": f"redis://127.0.0.1:{ports['redis']}/0"}
     if "cache" in stages:
-        config["cache"] = {"mode": "always"}  # every request below is a prompt never sent before: a miss
+        cache: dict[str, object] = {"mode": "always"}  # every request below is a prompt never sent before: a miss
         if "presence" in stages:
-            config["cache"]["presence"] = True
+            cache["presence"] = True
+        config["cache"] = cache
     if "cascade" in stages:
         # The small model first, its answer passing: the same upstream under another name, whose answers the
         # checks pass (`length` left out: the workload's max_tokens cuts every answer).

@@ -167,6 +167,14 @@ class Cache:
         if self.store is None:
             self.presence = None
         elif self.presence is not None:
+            synced = runtime.meter.gauge(
+                "sluice_cache_presence_synced",
+                "1 while the cache's presence filter is believed (misses skip Redis), 0 while every miss asks Redis.",
+                (),
+                mode="livemin",
+            )
+            synced.set(0.0)
+            self.presence.shown = synced.set
             self.presence.start()
             listening = self.presence.listen(self.store, self.store.node_urls)
             self._listener = asyncio.get_running_loop().create_task(listening)

@@ -34,6 +34,7 @@ import functools
 import itertools
 import logging
 from array import array
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gateway.state.store import StoreUnavailable
@@ -104,6 +105,7 @@ class Presence:
         self.young = Bloom(self.size)
         self.old = Bloom(self.size)
         self.trusted = False
+        self.shown: Callable[[float], None] | None = None  # the synced gauge's `set`, once metrics exist
         self.skipped = 0  # lookups not sent to Redis
         self.heard = 0  # keys announced (this gateway's own included)
         self.resyncs = 0  # subscriptions (re)established, each followed by a SCAN
@@ -153,8 +155,13 @@ class Presence:
         """Announcements may have been missed: believe nothing until the next subscription has been synced."""
         if self.trusted:
             log.warning("cache presence filter not trusted (%s): every miss asks Redis until it is synced", why)
-        self.trusted = False
+        self._trust(False)
         self.epoch += 1
+
+    def _trust(self, trusted: bool) -> None:
+        self.trusted = trusted
+        if self.shown is not None:
+            self.shown(1.0 if trusted else 0.0)
 
     # the generations
 
@@ -208,15 +215,18 @@ class Presence:
         completes (a cluster failing over, again and again), a whole lifetime of announcements does as well."""
         loop = asyncio.get_running_loop()
         since = loop.time()
+        failed = False
         while epoch == self.epoch:
             try:
                 await store.scan(layout.pattern(), self.found)
             except StoreUnavailable as exc:
                 if loop.time() - since < self.lifetime_s:
-                    log.info("cache: presence SCAN failed (%s); trying again", exc)
+                    if not failed:  # once a sync, not once a second
+                        log.warning("cache: presence SCAN failed (%s); trying again every second", exc)
+                    failed = True
                     await asyncio.sleep(RETRY_S)
                     continue
             if epoch == self.epoch:
-                self.trusted = True
+                self._trust(True)
                 log.info("cache presence filter synced: lookups of keys no gateway stored skip Redis")
             return

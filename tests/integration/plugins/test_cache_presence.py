@@ -69,6 +69,14 @@ def ask(gw: RunningGateway, question: str, tenant: str = "t0") -> str:
     return answer.headers["x-sluice-cache"]
 
 
+def shown(gw: RunningGateway) -> float:
+    """sluice_cache_presence_synced as the gateway's /metrics shows it."""
+    for line in httpx.get(f"{gw.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("sluice_cache_presence_synced "):
+            return float(line.split()[1])
+    raise AssertionError("no sluice_cache_presence_synced in /metrics")
+
+
 def gets(client: redis.Redis) -> int:
     stats = client.info("commandstats")
     return int(stats.get("cmdstat_get", {}).get("calls", 0))
@@ -125,6 +133,7 @@ def test_a_stalled_stopped_or_emptied_redis_makes_the_filter_ask_again(
         gateway_thread(config(upstream.url, redis_server.url)) as two,
     ):
         presence = synced(two)
+        assert shown(two) == 1.0
         redis_server.pause()
         try:
             # Answered all the while; the subscription's PING goes unanswered and the filter stops being believed.
@@ -140,6 +149,7 @@ def test_a_stalled_stopped_or_emptied_redis_makes_the_filter_ask_again(
 
         redis_server.stop()
         wait_until(lambda: not presence.trusted, 30, what="the stop noticed")
+        assert shown(two) == 0.0  # what SluiceCachePresenceUnsynced watches
         assert ask(two, "while stopped") == "miss"
         redis_server.start()  # empty: nothing kept on disk
         wait_until(lambda: presence.trusted and presence.resyncs > resyncs, 30, what="synced with the new Redis")

@@ -4,11 +4,12 @@ when quiet.
 The auth plugin hears of changed keys this way (plugins/auth/authenticator.py), and the cache of the keys every
 gateway stores (plugins/cache/presence.py), which is a message for every write batch of every gateway: so a
 message is handed on from the protocol's `data_received`, with no coroutine, task or timer of its own (an
-`asyncio.StreamReader` read under `wait_for` cost about 25k instructions a message). Quiet is checked once a
-quiet period instead. redis-py's asyncio client did this before, but importing redis-py costs a gateway ~25 MB of
-resident memory (redis 8 imports its own observability stack, OpenTelemetry's metrics SDK and psutil among it),
-for a loop that needs this much of RESP2: AUTH and SELECT as the request-path client sends them (resp.py),
-SUBSCRIBE, and the `message` and `pong` pushes of a subscribed connection.
+`asyncio.StreamReader` read under `wait_for` cost about 25k instructions a message). The time of the last
+arrival is noted instead, and a waiter wakes when it is a quiet period old. redis-py's asyncio client did this
+before, but importing redis-py costs a gateway ~25 MB of resident memory (redis 8 imports its own observability
+stack, OpenTelemetry's metrics SDK and psutil among it), for a loop that needs this much of RESP2: AUTH and
+SELECT as the request-path client sends them (resp.py), SUBSCRIBE, and the `message` and `pong` pushes of a
+subscribed connection.
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ class Listener(asyncio.Protocol):
         self.parser = hiredis.Reader()
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
-        self.active = False  # something arrived since the last quiet check
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()  # when something last arrived
         self.closing = False  # closed by us: what follows is no failure
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's subclasses
 
     def data_received(self, data: bytes) -> None:
-        self.active = True
+        self.last = self.loop.time()
         parser = self.parser
         parser.feed(data)
         try:
@@ -112,18 +114,21 @@ async def subscribe(
     )
     try:
         transport.write(b"".join(encode(command) for command in greeting))
-        pinged = False
+        pinged: float | None = None  # when the PING that is still unanswered went out
         while True:
-            done, _ = await asyncio.wait((listener.ended,), timeout=quiet_s)
-            if done:
-                listener.ended.result()  # raises: the future only ever ends with the failure
-            if listener.active:
-                listener.active = pinged = False
+            if pinged is not None and listener.last > pinged:
+                pinged = None  # answered (or anything else arrived: the connection is alive)
+            due = (listener.last if pinged is None else pinged) + quiet_s
+            now = loop.time()
+            if due > now:
+                done, _ = await asyncio.wait((listener.ended,), timeout=due - now)
+                if done:
+                    listener.ended.result()  # raises: the future only ever ends with the failure
                 continue
-            if pinged:
+            if pinged is not None:
                 raise SubscriptionLost(f"no answer to PING from {host}:{port} in {quiet_s:g} s")
             transport.write(encode(("PING",)))
-            pinged = True
+            pinged = now
     finally:
         listener.closing = True
         transport.close()

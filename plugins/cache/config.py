@@ -27,7 +27,9 @@ class CacheSection(Strict):
     follower_wait_s: float = Field(30.0, gt=0)  # how long a follower waits for the leader's first byte
     # Skip the Redis GET of a key no gateway has announced storing (plugins/cache/presence.py); needs redis.url.
     presence: bool = False
-    presence_keys: int = Field(1_000_000, ge=1)  # keys stored fleet-wide in one entry lifetime (ttl + stale)
+    presence_keys: int = Field(
+        1_000_000, ge=1, le=20_000_000
+    )  # keys stored fleet-wide in one entry lifetime (ttl + stale)
 
 
 class ModelCache(Strict):

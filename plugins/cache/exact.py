@@ -52,6 +52,8 @@ HIT, MISS, BYPASS, STALE = b"hit", b"miss", b"bypass", b"stale"
 # L1's two dict slots; measured with tracemalloc (see tests/unit/plugins/test_cache_memory.py), with room to spare.
 ENTRY_OVERHEAD = 800
 WRITE_BATCH = 64  # SETs per pipelined round trip
+MAX_UNANNOUNCED = 4096  # keys of failed round trips announced again (beyond, the oldest: they may be skipped)
+RETRY_S = 1.0  # between announcements tried alone while Redis fails
 MAX_PENDING_WRITES = 4096  # beyond this (Redis slow), the oldest queued writes are dropped
 LABEL = "cache"  # the metric label (and span attribute sluice.cache) this plugin reports: hit|miss|bypass|stale
 
@@ -155,10 +157,13 @@ class Cache:
         self.stats = {"hit_l1": 0, "hit_l2": 0, "miss": 0, "bypass": 0, "stored": 0, "followed": 0}
         self._pending: list[tuple[str, str, bytes, str, int]] = []  # SETs not yet sent to Redis
         self._writer: asyncio.Task[None] | None = None
+        self._unannounced: list[str] = []  # keys of round trips that failed: maybe stored, not known announced
+        self._closing = False
         self.results: Tally | None = None  # sluice_cache_results_total, made at start-up
         self.tenant_label: Callable[[str], str] = str
         # An entry lives in Redis until its TTL and stale_s have passed: the filter's generations are that long.
-        lifetime_s = max((p.ttl_s for p in self.policies.values() if p is not None), default=base.ttl_s) + self.stale_s
+        self.fresh_s = max((p.ttl_s for p in self.policies.values() if p is not None), default=base.ttl_s)
+        lifetime_s = self.fresh_s + self.stale_s
         self.presence: Presence | None = Presence(base.presence_keys, lifetime_s) if base.presence else None
         self._listener: asyncio.Task[None] | None = None
 
@@ -186,6 +191,7 @@ class Cache:
         )
 
     async def shutdown(self) -> None:
+        self._closing = True  # queued writes are still made; announcements retried alone are not
         if self.presence is not None:
             self.presence.stop()
         if self._listener is not None:
@@ -394,19 +400,45 @@ class Cache:
             self._writer = asyncio.get_running_loop().create_task(self._write())
 
     async def _write(self) -> None:
-        """The one writer: what was queued by the time it runs goes in one pipelined round trip, and so on."""
-        assert self.store is not None
+        """The one writer: what was queued by the time it runs goes in one pipelined round trip, and so on.
+
+        Each round trip ends with the announcement of its keys (plugins/cache/presence.py), made by every
+        gateway, so that one that reads announcements never misses a key another stored. A round trip that
+        fails may still have stored some of its keys (on a cluster the SETs and the PUBLISH go to different
+        nodes), so its keys are announced again with the next one, or alone a second later, until Redis
+        takes an announcement."""
+        store = self.store
+        assert store is not None
         try:
-            while self._pending:
+            while self._pending or (self._unannounced and not self._closing):
+                if not self._pending:
+                    await asyncio.sleep(RETRY_S)
+                    if self._pending or self._closing:
+                        continue
+                keys = [command[1] for command in self._pending[:WRITE_BATCH]]
                 batch = self._pending[:WRITE_BATCH]
                 del self._pending[:WRITE_BATCH]
-                # Announced after the SETs, in their round trip (plugins/cache/presence.py): by every gateway,
-                # so that one that reads announcements never misses a key another stored.
-                told = announcement([command[1] for command in batch])
+                if self._unannounced:
+                    keys += self._unannounced
+                told = announcement(keys, self.fresh_s)
                 try:
-                    await self.store.pipeline([*batch, ("PUBLISH", CHANNEL, told)])
+                    if batch:
+                        replies = await store.pipeline([*batch, ("PUBLISH", CHANNEL, told)])
+                    else:
+                        replies = await store.pipeline([("PUBLISH", CHANNEL, told)], always=True)
                 except StoreUnavailable:
                     self._pending.clear()  # Redis is down: L1 serves; entries come back on later misses
+                    self._unannounced = keys[-MAX_UNANNOUNCED:]
+                    continue
+                if isinstance(replies[-1], Exception):  # refused (an ACL without PUBLISH): said, and tried again
+                    if not self._unannounced:
+                        log.warning("cache: Redis refused the announcement of stored keys (%s): gateways with "
+                                    "cache.presence skip them until it is taken", replies[-1])  # fmt: skip
+                    self._unannounced = keys[-MAX_UNANNOUNCED:]
+                    continue
+                self._unannounced = []
+                if self.presence is not None:
+                    self.presence.published(told)
         finally:
             self._writer = None
 

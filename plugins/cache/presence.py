@@ -1,25 +1,34 @@
 """Which cache keys Redis may hold, so that a lookup Redis cannot answer is not sent.
 
 With every stage on, most of what a miss adds to the time to first token is its Redis GET: a round trip to
-another process, two wake-ups. Every writer announces the keys it stores (`announcement`: the last
-`DIGITS` hex digits of each key, published on `CHANNEL` in the same pipelined round trip as the SETs, by
-every gateway with Redis whether or not it reads them), and a gateway with `cache.presence` on keeps them
-in a Bloom filter: a key with no mention is not in Redis, and its GET is skipped.
+another process, two wake-ups. Every writer announces the keys it stores (`announcement`: how long its entries
+stay fresh, then the last `DIGITS` hex digits of each key, published on `CHANNEL` at the end of the pipelined
+round trip that carries the SETs, by every gateway with Redis whether or not it reads them), and a gateway with
+`cache.presence` on keeps them in a Bloom filter: a key with no mention is not in Redis, and its GET is skipped.
 
-- **Generations.** An entry lives in Redis at most `lifetime_s` (the longest TTL plus `stale_s`). The filter
-  is two generations of that length: additions go to the young one, and at each turn the old one is dropped
-  and the young one becomes old, so a key is in one of the two for at least as long as its entry can live,
-  and the filter forgets what expired instead of filling up.
+- **Generations.** An entry lives in Redis at most `lifetime_s` (the longest TTL plus `stale_s`) and is served
+  as a hit only while fresh (the TTL): stale ones are read only when every target failed, and that read never
+  asks the filter. The filter is two generations of `lifetime_s`: additions go to the young one, and at each
+  turn the old one is dropped and the young one becomes old, so a key is in one of the two for at least as
+  long as its entry can live, and the filter forgets what expired instead of filling up. An announcement from a
+  gateway whose entries stay fresh longer lengthens the generations (`lengthen`).
 - **Trust (the cache's rule for shared state: fail open).** The filter is only believed while it is whole:
   subscribed without a gap since before a SCAN of the cache's keys ended (or for a whole lifetime, when no
   SCAN can be made). Until then, and from the moment the subscription is lost (a closed connection, a PING
-  unanswered: Redis stopped, stalled or restarted empty), `maybe` is True for every key: a fault costs round
-  trips, never an answer. The filter only ever skips a lookup; it never serves one.
-- **What it can get wrong.** A false positive (about 1 % at the sized load) is a GET as before. A key stored
-  by another gateway is skipped for the moment its announcement takes to arrive: a miss that Redis could
-  have answered, as when two gateways miss at once. Keys written into Redis by anything that does not
-  announce them are not seen once the filter is trusted (`sluice cache prefill` goes through the pipeline
-  and announces).
+  unanswered: Redis stopped, stalled or restarted empty; or deaf: an announcement of its own that Redis took
+  not heard back within DEAF_S, as on a cluster node cut off from the others), `maybe` is True for every key:
+  a fault costs round trips, never an answer. The filter only ever skips a lookup; it never serves one.
+- **Writes that fail.** A round trip that fails may have stored some of its keys (on a cluster the SETs and
+  the PUBLISH go to different nodes); its keys are announced again with the next round trip, or alone a
+  second later, until Redis takes an announcement (plugins/cache/exact.py, `_write`).
+- **What it can get wrong.** A false positive (about 1.5 % at the sized load) is a GET as before. A key
+  stored by another gateway is skipped for the moment its announcement takes to arrive, or while a failed
+  write waits to be announced again: a miss Redis could have answered, as when two gateways miss at once.
+  Keys written into Redis by anything that does not announce them are not seen once the filter is trusted
+  (`sluice cache prefill` goes through the pipeline and announces); keys a SCAN found are kept for this
+  gateway's lifetime, so gateways that share a Redis should agree on the longest TTL. Messages on the channel
+  in no format of ours are ignored and counted (the format is in the channel's name), so that nobody can
+  force rescans by publishing junk.
 - **Cost.** Each gateway reads every gateway's announcements (one message per write batch, its own included:
   a gateway learns its own keys from them too, its L1 answering meanwhile) and holds two arrays of 1.5 to 3
   bytes per key of `presence_keys` each (12 bits a key, rounded up to a power of two). A lookup is a slice of
@@ -33,6 +42,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -46,7 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.cache")
 
-CHANNEL = "sluice:cache:v3:stored"
+# The announcement's format is in the channel's name: a gateway that announced differently would be on another.
+CHANNEL = "sluice:cache:v3:stored:1"
 # 60 bits of a key's sha256 (a native int when compiled: below 2**62): the low PROBES * 5 bits say which bits of
 # a 32-bit word to set, the rest which word. One word per key (a blocked Bloom filter) is one array access and a
 # mask, not seven scattered bit tests: about 1.5 % false positives at BITS_PER_KEY, against 0.8 % unblocked.
@@ -55,11 +66,13 @@ PROBES = 5
 WORD_BITS = 32
 BITS_PER_KEY = 12
 RETRY_S = 1.0  # after a lost subscription or a failed SCAN
+DEAF_S = 5.0  # a gateway that has not heard its own announcement by then is not hearing the channel
 
 
-def announcement(keys: list[str]) -> bytes:
-    """What a writer publishes for `keys`: their last DIGITS hex digits, one after another."""
-    return "".join([key[-DIGITS:] for key in keys]).encode()
+def announcement(keys: list[str], ttl_s: float) -> bytes:
+    """What a writer publishes for `keys`: the longest time its entries are fresh (whole seconds), a colon,
+    then the last DIGITS hex digits of each key, one after another."""
+    return b"%d:%s" % (math.ceil(ttl_s), "".join([key[-DIGITS:] for key in keys]).encode())
 
 
 def mask_of(value: int) -> int:
@@ -108,11 +121,15 @@ class Presence:
         self.shown: Callable[[float], None] | None = None  # the synced gauge's `set`, once metrics exist
         self.skipped = 0  # lookups not sent to Redis
         self.heard = 0  # keys announced (this gateway's own included)
+        self.ignored = 0  # messages on the channel in no format of ours: ignored, the first one logged
+        self.awaited: bytes | None = None  # an announcement of ours not yet heard back (see `published`)
         self.resyncs = 0  # subscriptions (re)established, each followed by a SCAN
         self.epoch = 0  # which subscription the running SCAN belongs to: a later one makes it moot
         self.store: Store | None = None  # set by listen
         self._turn: asyncio.TimerHandle | None = None
         self._sync: asyncio.Task[None] | None = None
+        self._subscription: asyncio.Task[None] | None = None
+        self._said = ""  # the last listener failure logged: one line when the reason changes, not one a second
 
     # the request path
 
@@ -124,7 +141,9 @@ class Presence:
             value = int(key[-DIGITS:], 16)
         except ValueError:
             return True
-        if self.young.has(value) or self.old.has(value):
+        mask = mask_of(value)
+        young, old = self.young, self.old
+        if young.words[(value >> 25) & young.last] & mask == mask or old.words[(value >> 25) & old.last] & mask == mask:
             return True
         self.skipped += 1
         return False
@@ -132,18 +151,43 @@ class Presence:
     # announcements and the SCAN
 
     def hear(self, payload: bytes) -> None:
-        young = self.young
+        if payload == self.awaited:
+            self.awaited = None
+        head, colon, digests = payload.partition(b":")
         try:
-            if len(payload) % DIGITS:
-                raise ValueError(len(payload))
-            for start in range(0, len(payload), DIGITS):
-                young.add(int(payload[start : start + DIGITS], 16))
+            if not colon or len(digests) % DIGITS:
+                raise ValueError(len(digests))
+            fresh_s = float(int(head))
+            values = [int(digests[start : start + DIGITS], 16) for start in range(0, len(digests), DIGITS)]
         except ValueError:
-            # Not from a gateway of this layout: what it meant to say is unknown, so SCAN again.
-            self._untrust("a malformed announcement")
-            self._subscribed(self.epoch)
+            # Not from a gateway of this format (the format is in the channel's name): nothing it could say
+            # would be ours, so it is ignored rather than taken as a gap (which anyone could then force).
+            if not self.ignored:
+                log.warning("cache: ignoring a message on %s in no format of ours: %r", CHANNEL, payload[:80])
+            self.ignored += 1
             return
-        self.heard += len(payload) // DIGITS
+        if fresh_s > self.lifetime_s:
+            self.lengthen(fresh_s)
+        add = self.young.add
+        for value in values:
+            add(value)
+        self.heard += len(values)
+
+    def published(self, payload: bytes) -> None:
+        """An announcement of ours that Redis took: it must come back within DEAF_S, or the subscription is
+        deaf (a node cut off from the cluster bus hears none of the others' PUBLISH) and is taken as lost."""
+        if self.awaited is not None or not self.trusted:
+            return
+        self.awaited = payload
+        asyncio.get_running_loop().call_later(DEAF_S, self._check_heard, payload)
+
+    def _check_heard(self, payload: bytes) -> None:
+        if self.awaited is payload:
+            self.awaited = None
+            if self.trusted:
+                self._untrust(f"its own announcement was not heard within {DEAF_S:g} s")
+                if self._subscription is not None:
+                    self._subscription.cancel()  # the listener takes the next node
 
     def found(self, keys: list[bytes]) -> None:
         young = self.young
@@ -168,6 +212,12 @@ class Presence:
     def start(self) -> None:
         self._turn = asyncio.get_running_loop().call_later(self.lifetime_s, self.rotate)
 
+    def lengthen(self, lifetime_s: float) -> None:
+        """Another gateway's entries stay fresh longer than ours: keep every key that long from now on (the
+        generation under way turns on its old schedule, the next ones on the new)."""
+        log.info("cache presence: generations lengthened to %g s, as another gateway's entries last", lifetime_s)
+        self.lifetime_s = lifetime_s
+
     def rotate(self) -> None:
         old = self.old
         old.clear()
@@ -177,6 +227,8 @@ class Presence:
     def stop(self) -> None:
         if self._turn is not None:
             self._turn.cancel()
+        if self._subscription is not None:
+            self._subscription.cancel()
         if self._sync is not None:
             self._sync.cancel()
 
@@ -187,22 +239,29 @@ class Presence:
 
         On a cluster one node's subscription hears every PUBLISH; after a failure the next seed is tried."""
         self.store = store
-        said = ""  # the last failure logged: one line when the reason changes, not one a second
+        loop = asyncio.get_running_loop()
         for url in itertools.cycle(urls):
             synced = functools.partial(self._subscribed, self.epoch)
+            self._subscription = loop.create_task(subscribe(url, CHANNEL, synced, self.hear))
             try:
-                await subscribe(url, CHANNEL, synced, self.hear)
+                await self._subscription
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the gateway is stopping
+                reason = "deaf: its own announcements not heard"  # cancelled by _check_heard
             except Exception as exc:  # whatever it was, the listener must live
                 reason = f"{type(exc).__name__}: {exc}"
-                if reason != said:
-                    log.warning("cache: presence subscription lost (%s); retrying every second", reason)
-                    said = reason
+            if reason != self._said:
+                log.warning("cache: presence subscription lost (%s); retrying every second", reason)
+                self._said = reason
             self._untrust("the subscription was lost")
             await asyncio.sleep(RETRY_S)
 
     def _subscribed(self, epoch: int) -> None:
         if epoch != self.epoch or self.store is None:
             return
+        self._said = ""
         self.resyncs += 1
         if self._sync is not None:
             self._sync.cancel()

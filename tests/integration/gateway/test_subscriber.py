@@ -87,7 +87,7 @@ def test_a_stalled_server_is_noticed_within_two_quiet_periods(redis_server: Redi
         finally:
             redis_server.resume()
 
-    assert asyncio.run(run()) < 2.0  # at most two quiet periods (0.6 s) and the scheduler's slack
+    assert asyncio.run(run()) < 1.2  # at most two quiet periods (0.6 s) and the scheduler's slack
 
 
 def test_a_stopped_server_ends_the_subscription_and_a_restarted_one_takes_a_new_one(
@@ -126,5 +126,20 @@ def test_a_server_that_does_not_speak_resp_is_a_lost_subscription() -> None:
         async with server:
             with pytest.raises(SubscriptionLost, match="does not speak RESP"):
                 await asyncio.wait_for(_wait_subscribed(f"redis://127.0.0.1:{port}/0", asyncio.Event(), []), 5)
+
+    asyncio.run(run())
+
+
+def test_a_failing_handler_ends_the_subscription_with_its_error(redis_server: RedisServer) -> None:
+    def handler(message: bytes) -> None:
+        raise ValueError(message)
+
+    async def run() -> None:
+        subscribed = asyncio.Event()
+        task = asyncio.create_task(subscribe(redis_server.url, CHANNEL, subscribed.set, handler))
+        await asyncio.wait_for(subscribed.wait(), 5)
+        redis_server.client().publish(CHANNEL, "boom")
+        with pytest.raises(ValueError, match="boom"):
+            await asyncio.wait_for(task, 5)
 
     asyncio.run(run())

@@ -125,6 +125,26 @@ def test_keys_stored_before_a_gateway_started_are_found_by_its_scan(
             assert ask(late, f"early {i}") == "hit"
 
 
+def test_keys_stored_while_a_subscription_was_down_are_found_by_the_next_scan(
+    upstream: ScriptedUpstream, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    with (
+        gateway_thread(config(upstream.url, redis_server.url, presence=False)) as writer,
+        gateway_thread(config(upstream.url, redis_server.url)) as reader,
+    ):
+        presence = synced(reader)
+        resyncs = presence.resyncs
+        # Suspend the writer's announcements to nobody: the reader's subscription is killed, and a question is
+        # answered and stored before it is back (it retries after a second).
+        assert client.client_kill_filter(_type="pubsub") >= 1
+        wait_until(lambda: not presence.trusted, what="the killed subscription noticed")
+        assert ask(writer, "in the gap") == "miss"
+        stored(client, 1)
+        wait_until(lambda: presence.trusted and presence.resyncs > resyncs, 30, what="resubscribed and rescanned")
+        assert ask(reader, "in the gap") == "hit"  # the SCAN found what no announcement told
+
+
 def test_a_stalled_stopped_or_emptied_redis_makes_the_filter_ask_again(
     upstream: ScriptedUpstream, redis_server: RedisServer
 ) -> None:

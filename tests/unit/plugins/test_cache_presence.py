@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import pytest
 
 from gateway.config import parse
 from gateway.settings import ConfigError
 from plugins.cache import layout
+from plugins.cache import presence as presence_module
 from plugins.cache.presence import DIGITS, Bloom, Presence, announcement, size_for
+
+if TYPE_CHECKING:
+    from gateway.state.store import Store
 
 
 def key(n: int) -> str:
@@ -31,7 +37,7 @@ def test_untrusted_filter_says_maybe_to_everything() -> None:
 
 def test_added_keys_are_maybe_and_unseen_ones_mostly_skipped() -> None:
     presence = trusted()
-    presence.hear(announcement([key(n) for n in range(10_000)]))
+    presence.hear(announcement([key(n) for n in range(10_000)], 60))
     assert all(presence.maybe(key(n)) for n in range(10_000))  # no false negatives, ever
     false = sum(presence.maybe(key(n)) for n in range(10_000, 30_000))
     assert false < 20_000 * 0.03  # sized for 1.5 % at 10,000 keys (a power of two: fewer)
@@ -41,19 +47,30 @@ def test_added_keys_are_maybe_and_unseen_ones_mostly_skipped() -> None:
 def test_announcements_heard_count_as_added() -> None:
     presence = trusted()
     stored = [key(n) for n in range(64)]
-    payload = announcement(stored)
-    assert len(payload) == 64 * DIGITS
+    payload = announcement(stored, 59.5)
+    assert payload.startswith(b"60:")
+    assert len(payload) == len(b"60:") + 64 * DIGITS
     presence.hear(payload)
     assert presence.heard == 64
     assert all(presence.maybe(k) for k in stored)
     assert not presence.maybe(key(10_000_001))  # one absent key, checked to be absent with this size
 
 
-def test_a_malformed_announcement_untrusts_the_filter() -> None:
+def test_messages_in_no_format_of_ours_are_ignored_and_counted() -> None:
     presence = trusted()
-    presence.hear(b"not hex, not fifteen-digit chunks")
-    assert not presence.trusted
-    assert presence.maybe(key(1))
+    for junk in (b"not hex, not fifteen-digit chunks", b"60:" + b"x" * DIGITS, b"sixty:" + b"0" * DIGITS, b""):
+        presence.hear(junk)
+    assert presence.ignored == 4
+    assert presence.heard == 0
+    assert presence.trusted  # ignoring them loses nothing: no gateway of ours sends them
+
+
+def test_a_longer_lived_writer_lengthens_the_generations() -> None:
+    presence = trusted()
+    presence.hear(announcement([key(1)], 7200))
+    assert presence.lifetime_s == 7200
+    presence.hear(announcement([key(2)], 10))
+    assert presence.lifetime_s == 7200
 
 
 def test_scanned_keys_count_as_added_and_foreign_keys_are_ignored() -> None:
@@ -66,7 +83,7 @@ async def test_a_key_lives_two_turns_then_is_forgotten() -> None:
     presence = trusted()
     presence.start()
     try:
-        presence.hear(announcement([key(1)]))
+        presence.hear(announcement([key(1)], 60))
         presence.rotate()
         assert presence.maybe(key(1))  # in the old generation: it may still live
         presence.rotate()
@@ -80,7 +97,7 @@ async def test_generations_turn_on_their_own() -> None:
     presence.trusted = True
     presence.start()
     try:
-        presence.hear(announcement([key(1)]))
+        presence.hear(announcement([key(1)], 0))  # 60 would lengthen the generations to 60 s
         for _ in range(100):
             if not presence.maybe(key(1)):
                 break
@@ -115,3 +132,66 @@ plugins: [cache]
     else:
         with pytest.raises(ConfigError, match=r"cache\.presence: needs redis\.url"):
             parse(text, "<test>")
+
+
+class GatedStore:
+    """A store whose SCAN finds `keys` and ends only when the test opens the gate: the filter's trust is
+    decided by the order of the SCAN's end and the subscription's gaps, which a real Redis is too quick to show."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.gate = asyncio.Event()
+        self.scans = 0
+
+    async def scan(self, match: str, each: Callable[[list[bytes]], None]) -> None:
+        assert match == layout.pattern()
+        self.scans += 1
+        each(self.keys)
+        await self.gate.wait()
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_trusted_only_once_the_scan_after_the_subscription_has_ended() -> None:
+    presence = Presence(10_000, lifetime_s=60.0)
+    store = GatedStore([key(1).encode()])
+    presence.store = cast("Store", store)
+    presence._subscribed(presence.epoch)
+    await settle()
+    assert store.scans == 1
+    assert not presence.trusted  # subscribed, the SCAN under way: not yet
+    store.gate.set()
+    await settle()
+    assert presence.trusted
+    assert presence.maybe(key(1))
+    assert not presence.maybe(key(2))
+
+
+async def test_a_gap_during_the_scan_keeps_the_filter_untrusted() -> None:
+    presence = Presence(10_000, lifetime_s=60.0)
+    store = GatedStore([])
+    presence.store = cast("Store", store)
+    presence._subscribed(presence.epoch)
+    await settle()
+    presence._untrust("the subscription was lost")  # as the listener does when the connection drops
+    store.gate.set()
+    await settle()
+    assert not presence.trusted  # what was published in the gap is unknown until the next SCAN
+
+
+async def test_a_subscription_that_does_not_hear_its_own_announcement_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(presence_module, "DEAF_S", 0.05)
+    presence = trusted()
+    told = announcement([key(1)], 60)
+    presence.published(told)
+    presence.hear(told)  # heard back: all is well
+    await asyncio.sleep(0.1)
+    assert presence.trusted
+    presence.published(announcement([key(2)], 60))  # never heard back
+    await asyncio.sleep(0.1)
+    assert not presence.trusted

@@ -129,6 +129,7 @@ class Presence:
         self._turn: asyncio.TimerHandle | None = None
         self._sync: asyncio.Task[None] | None = None
         self._subscription: asyncio.Task[None] | None = None
+        self._next_check = 0.0  # loop time before which `published` arms no new deafness check
         self._said = ""  # the last listener failure logged: one line when the reason changes, not one a second
 
     # the request path
@@ -178,8 +179,13 @@ class Presence:
         deaf (a node cut off from the cluster bus hears none of the others' PUBLISH) and is taken as lost."""
         if self.awaited is not None or not self.trusted:
             return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now < self._next_check:  # one check a DEAF_S is enough, however many batches are written
+            return
+        self._next_check = now + DEAF_S
         self.awaited = payload
-        asyncio.get_running_loop().call_later(DEAF_S, self._check_heard, payload)
+        loop.call_later(DEAF_S, self._check_heard, payload)
 
     def _check_heard(self, payload: bytes) -> None:
         if self.awaited is payload:

@@ -159,6 +159,7 @@ class Cache:
         self._writer: asyncio.Task[None] | None = None
         self._unannounced: list[str] = []  # keys of round trips that failed: maybe stored, not known announced
         self._closing = False
+        self._wake = asyncio.Event()  # a write queued while the writer waits to announce again
         self.results: Tally | None = None  # sluice_cache_results_total, made at start-up
         self.tenant_label: Callable[[str], str] = str
         # An entry lives in Redis until its TTL and stale_s have passed: the filter's generations are that long.
@@ -192,6 +193,7 @@ class Cache:
 
     async def shutdown(self) -> None:
         self._closing = True  # queued writes are still made; announcements retried alone are not
+        self._wake.set()
         if self.presence is not None:
             self.presence.stop()
         if self._listener is not None:
@@ -398,6 +400,8 @@ class Cache:
             del pending[: len(pending) - MAX_PENDING_WRITES]
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write())
+        elif self._unannounced:
+            self._wake.set()  # the writer is waiting to announce again: write now, as it would without that
 
     async def _write(self) -> None:
         """The one writer: what was queued by the time it runs goes in one pipelined round trip, and so on.
@@ -412,7 +416,9 @@ class Cache:
         try:
             while self._pending or (self._unannounced and not self._closing):
                 if not self._pending:
-                    await asyncio.sleep(RETRY_S)
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), RETRY_S)
                     if self._pending or self._closing:
                         continue
                 keys = [command[1] for command in self._pending[:WRITE_BATCH]]

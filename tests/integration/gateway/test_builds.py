@@ -32,6 +32,7 @@ REQUEST_PATH_TESTS = (
     "tests/unit/plugins/test_cache_memory.py",
     "tests/integration/gateway/test_proxy.py",
     "tests/integration/plugins/test_cache.py",
+    "tests/integration/plugins/test_cache_presence.py",
     "tests/integration/plugins/test_rate_limit.py",
     "tests/integration/gateway/test_messages.py",
     "tests/integration/plugins/test_admission.py",

@@ -4,19 +4,21 @@ Redis stalled (SIGSTOP), stopped, restarted empty."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import redis
 
+from gateway.state.store import Store
 from plugins.auth.keys import new_key
 from plugins.cache import Cache
 from plugins.cache.presence import Presence
 from tests.support.gateway import RunningGateway, gateway_thread
 from tests.support.redis import RedisCluster, RedisServer
 from tests.support.upstream import Ok, ScriptedUpstream
-from tests.support.wait import wait_until
+from tests.support.wait import until, wait_until
 
 # Tenants whose entries land in different hash slots (a tenant is its keys' hash tag): on a cluster, on several masters.
 TENANTS = {f"t{n}": new_key() for n in range(6)}
@@ -213,3 +215,60 @@ def keys_on(cluster: RedisCluster) -> list[str]:
         if cluster.is_master(server.port):
             found += [str(key) for key in cluster.client(server.port).keys("sluice:cache:v3:*")]
     return found
+
+
+def scanning(store: Store) -> bool:
+    """A command (the SCAN's step) written and not yet answered: Redis is stalled with it."""
+    node = getattr(store.client, "node")  # noqa: B009 (a single server's client: resp.Redis)
+    return any(connection.pending for connection in node.live)
+
+
+def test_trusted_only_once_the_scan_after_the_subscription_has_ended(redis_server: RedisServer) -> None:
+    """Redis stalled (SIGSTOP) in the middle of the SCAN: the filter waits for its end, whatever else it hears."""
+    stored_key = "sluice:cache:v3:{t0}:chat:" + "ab" * 32
+
+    async def run() -> None:
+        store = Store(redis_server.url, timeout_s=30.0)  # a step waits out the stall instead of failing
+        await store.execute("SET", stored_key, b"x")
+        presence = Presence(10_000, lifetime_s=60.0)
+        presence.store = store
+        redis_server.pause()
+        try:
+            presence._subscribed(presence.epoch)  # as the listener does once the subscription is confirmed
+            await until(lambda: scanning(store), 10, what="the SCAN's step sent")
+            assert not presence.trusted
+        finally:
+            redis_server.resume()
+        await until(lambda: presence.trusted, 10, what="the SCAN ended, then trust")
+        assert presence.maybe(stored_key)
+        assert not presence.maybe("sluice:cache:v3:{t0}:chat:" + "cd" * 32)
+        presence.stop()
+        await store.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_gap_during_the_scan_keeps_the_filter_untrusted(redis_server: RedisServer) -> None:
+    """The subscription lost while the SCAN runs: the SCAN still ends well, and yet the filter is not believed."""
+
+    async def run() -> None:
+        store = Store(redis_server.url, timeout_s=30.0)
+        await store.execute("PING")
+        presence = Presence(10_000, lifetime_s=60.0)
+        presence.store = store
+        redis_server.pause()
+        try:
+            presence._subscribed(presence.epoch)
+            await until(lambda: scanning(store), 10, what="the SCAN's step sent")
+            presence._untrust("the subscription was lost")  # as the listener does when the connection drops
+        finally:
+            redis_server.resume()
+        sync = presence._sync
+        assert sync is not None
+        await until(sync.done, 10, what="the SCAN over")
+        assert store.failures == 0  # it ended well: only the gap keeps the filter from being believed
+        assert not presence.trusted  # what was published in the gap is unknown until the next SCAN
+        presence.stop()
+        await store.aclose()
+
+    asyncio.run(run())

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
 
 import pytest
 
@@ -14,9 +12,6 @@ from gateway.settings import ConfigError
 from plugins.cache import layout
 from plugins.cache import presence as presence_module
 from plugins.cache.presence import DIGITS, Bloom, Presence, announcement, size_for
-
-if TYPE_CHECKING:
-    from gateway.state.store import Store
 
 
 def key(n: int) -> str:
@@ -132,54 +127,6 @@ plugins: [cache]
     else:
         with pytest.raises(ConfigError, match=r"cache\.presence: needs redis\.url"):
             parse(text, "<test>")
-
-
-class GatedStore:
-    """A store whose SCAN finds `keys` and ends only when the test opens the gate: the filter's trust is
-    decided by the order of the SCAN's end and the subscription's gaps, which a real Redis is too quick to show."""
-
-    def __init__(self, keys: list[bytes]) -> None:
-        self.keys = keys
-        self.gate = asyncio.Event()
-        self.scans = 0
-
-    async def scan(self, match: str, each: Callable[[list[bytes]], None]) -> None:
-        assert match == layout.pattern()
-        self.scans += 1
-        each(self.keys)
-        await self.gate.wait()
-
-
-async def settle() -> None:
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
-async def test_trusted_only_once_the_scan_after_the_subscription_has_ended() -> None:
-    presence = Presence(10_000, lifetime_s=60.0)
-    store = GatedStore([key(1).encode()])
-    presence.store = cast("Store", store)
-    presence._subscribed(presence.epoch)
-    await settle()
-    assert store.scans == 1
-    assert not presence.trusted  # subscribed, the SCAN under way: not yet
-    store.gate.set()
-    await settle()
-    assert presence.trusted
-    assert presence.maybe(key(1))
-    assert not presence.maybe(key(2))
-
-
-async def test_a_gap_during_the_scan_keeps_the_filter_untrusted() -> None:
-    presence = Presence(10_000, lifetime_s=60.0)
-    store = GatedStore([])
-    presence.store = cast("Store", store)
-    presence._subscribed(presence.epoch)
-    await settle()
-    presence._untrust("the subscription was lost")  # as the listener does when the connection drops
-    store.gate.set()
-    await settle()
-    assert not presence.trusted  # what was published in the gap is unknown until the next SCAN
 
 
 async def test_a_subscription_that_does_not_hear_its_own_announcement_is_dropped(

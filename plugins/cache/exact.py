@@ -421,9 +421,9 @@ class Cache:
                         await asyncio.wait_for(self._wake.wait(), RETRY_S)
                     if self._pending or self._closing:
                         continue
-                keys = [command[1] for command in self._pending[:WRITE_BATCH]]
                 batch = self._pending[:WRITE_BATCH]
                 del self._pending[:WRITE_BATCH]
+                keys = [command[1] for command in batch]
                 if self._unannounced:
                     keys += self._unannounced
                 told = announcement(keys, self.fresh_s)

@@ -58,12 +58,11 @@ log = logging.getLogger("sluice.cache")
 
 # The announcement's format is in the channel's name: a gateway that announced differently would be on another.
 CHANNEL = "sluice:cache:v3:stored:1"
-# 60 bits of a key's sha256 (a native int when compiled: below 2**62): the low PROBES * 5 bits say which bits of
-# a 32-bit word to set, the rest which word. One word per key (a blocked Bloom filter) is one array access and a
-# mask, not seven scattered bit tests: about 1.5 % false positives at BITS_PER_KEY, against 0.8 % unblocked.
+# 60 bits of a key's sha256 (a native int when compiled: below 2**62): the low 25 bits say which five bits of
+# a 32-bit word to set (`mask_of`), the rest which word. One word per key (a blocked Bloom filter) is one array
+# access and a mask, not seven scattered bit tests: about 1.5 % false positives at BITS_PER_KEY, against 0.8 %
+# unblocked.
 DIGITS = 15
-PROBES = 5
-WORD_BITS = 32
 BITS_PER_KEY = 12
 RETRY_S = 1.0  # after a lost subscription or a failed SCAN
 DEAF_S = 5.0  # a gateway that has not heard its own announcement by then is not hearing the channel
@@ -86,7 +85,8 @@ def mask_of(value: int) -> int:
 
 
 class Bloom:
-    """A blocked Bloom filter of 60-bit values: PROBES bits in one 32-bit word of a power-of-two array."""
+    """A blocked Bloom filter of 60-bit values: five bits in one 32-bit word of a power-of-two array (`Presence.maybe`
+    reads both generations with one mask)."""
 
     __slots__ = ("last", "words")
 
@@ -96,10 +96,6 @@ class Bloom:
 
     def add(self, value: int) -> None:
         self.words[(value >> 25) & self.last] |= mask_of(value)
-
-    def has(self, value: int) -> bool:
-        mask = mask_of(value)
-        return self.words[(value >> 25) & self.last] & mask == mask
 
     def clear(self) -> None:
         self.words = array("I", bytes(len(self.words) * 4))

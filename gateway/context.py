@@ -66,6 +66,7 @@ class Exchange:
     route_ms = 0.0  # of which choosing endpoints (replicas) within backends
     routed: tuple[str, str, float] | None = None  # the last endpoint chosen: (endpoint, policy, score)
     overhead_ms = 0.0  # the gateway's own time before the response head (0: no head was sent)
+    server_timing: bytes | None = None  # the response head's `server-timing`, once written
     rejected_by: str | None = None  # the plugin that refused the request, if one did
     # Fields a plugin adds to the upstream body, per backend name (the admission plugin: vLLM's `priority`,
     # OpenAI's `service_tier`); None, the default, sends the client's body as it came.

@@ -32,8 +32,7 @@ from gateway.server.loop import running_loop
 from gateway.server.relay import all_choices_usage, find_usage, relay_stream, usage_mode
 from gateway.server.reply import BODY_FOLLOWS, JSON, end_early, send_pieces, send_whole
 from gateway.telemetry.access import access_line
-from gateway.telemetry.durations import ms_value
-from gateway.telemetry.recorder import server_timing
+from gateway.telemetry.durations import ms_value, server_timing
 from gateway.upstream.attempts import Opened
 from gateway.wire.marks import stream_rules
 
@@ -284,7 +283,8 @@ class Pipeline:
             if tap is not None:
                 taps.append(tap)
         overhead = ex.overhead_ms = (time.perf_counter() - ex.started) * 1000.0 - ex.upstream_ms
-        headers.append((b"server-timing", server_timing(ex.timings, overhead)))
+        timing = ex.server_timing = server_timing(ex.timings, overhead)  # the console keeps it (telemetry/console.py)
+        headers.append((b"server-timing", timing))
         headers.append((b"x-sluice-overhead-ms", ms_value(overhead)))
         return head, tuple(taps)
 

@@ -1,24 +1,35 @@
 """The console's memory: the last N requests as they ended, and what the console's views read out of them.
 
-Recording is one tuple appended to a bounded deque in the completion task (step 6, after the client has its
-answer): references to what the request already holds (its stage timings, attempts, labels, usage), nothing
-formatted, nothing copied. Everything the page shows (a filtered list, one request's waterfall, percentiles per
-tenant and model, cache shares) is computed when the page asks, off the request path.
+Recording is one slice assignment in the completion task (step 6, after the client has its answer): a request's
+fields written into its slot of one flat list made at start-up, as references to what the request already holds
+(its ids, its durations, its `server-timing` text, its labels, its usage), nothing formatted, nothing copied.
+Everything the page shows (a filtered list, one request's waterfall, percentiles per tenant and model, cache
+shares) is computed when the page asks, off the request path.
+
+Why a flat list of references rather than one tuple a request, as it was: what a ring keeps must stay out of the
+garbage collector's way. CPython collects its youngest generation once the objects it tracks (tuples, lists,
+dicts of containers, class instances) made since the last collection, less those freed, pass a threshold. A full
+ring that kept a tuple, the request's timings list with a tuple a stage, its tries and its outcome frees as many
+old tracked objects as it keeps new ones, so that count stands still while the youngest generation grows by a
+dozen objects a request; the collection comes late and traverses them all: measured in a bare gateway, 80,000
+objects and a 59 ms pause after 40,000 requests (none at all with the console off). Here a request adds no
+tracked object (strings, floats, ints and bytes are not tracked; the labels dict holds strings, so it is not
+tracked either; usage with nested counts is flattened into one such dict), and a record takes about 1 KB
+instead of 1.7 KB.
 
 Bounded twice: at most `requests` entries, and at most `max_bytes` by an allowance per entry (ENTRY_BYTES, a
-request's record with its referenced timings, attempts, labels and outcome as a gateway keeps them; a unit test
-measures a large one against it).
+request's record with what it references as a gateway keeps it; a unit test measures a large one against it).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from gc import is_tracked
 from typing import TYPE_CHECKING, Any
 
-from gateway.telemetry.durations import ms_text
+from gateway.telemetry.durations import ms_text, server_timing
 
 if TYPE_CHECKING:
     from gateway.context import Exchange
@@ -34,66 +45,132 @@ UPSTREAM_STAGES = frozenset({"pool", "upstream"})
 Entry = tuple[Any, ...]
 T, RID, TENANT, MODEL, SERVED, BACKEND, DOOR, STATUS, STREAM, TOTAL, TTFT, TPOT = range(12)
 OVERHEAD, UPSTREAM, TIMINGS, ATTEMPTS, FALLBACK, LABELS, ROUTED, USAGE, ERROR = range(12, 21)
+# A record's fields, a column each: started, request id, tenant, model, served (the config's Target), endpoint,
+# stream, total, overhead, upstream, server-timing, the last try (model, ms, status), every try when there were
+# several, fallback, labels, the routed endpoint (endpoint, policy, score), status, ttft, tpot, usage, error.
+WIDTH = 25
 
 
 class Ring:
-    """The last requests of this process, newest last.
+    """The last `size` requests of this process, in `columns`: record k in slot k % (size + 1) of each.
 
-    What is kept per request is what the request already holds, as references (its outcome whole, since the
-    views read five of its fields): callgrind counts the append at about 2k instructions a request
-    (docs/benchmarks.md). The arrival time stays a perf_counter reading, put on the wall clock when read.
+    A record is written field by field, then counted in `written`; what reads the ring does so in a thread,
+    while it goes on, and keeps only the records that were counted before its copy began and that no record
+    since can have overwritten (`copy`). One slot more than `size` is for the record being written, so that a
+    copy made between records has `size` whole ones. The arrival time stays a perf_counter reading, put on the
+    wall clock when read. callgrind counts the record in tools/bench/ring.py.
     """
 
     def __init__(self, requests: int, max_bytes: int) -> None:
         self.size = max(1, min(requests, max_bytes // ENTRY_BYTES))
-        self.records: deque[tuple[Any, ...]] = deque(maxlen=self.size)
-        self.append = self.records.append  # one bound method, looked up once
+        self.slots = self.size + 1
+        self.columns: list[list[Any]] = [[None] * self.slots for _ in range(WIDTH)]
+        self.written = 0  # records written in all
+        self.index = 0  # the slot the next record goes to: written % slots
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float) -> None:
-        self.append(
-            (
-                ex.started,
-                ex.request_id,
-                ex.tenant,
-                ex.model,
-                ex.served,
-                ex.endpoint,
-                ex.stream,
-                total_ms,
-                ex.overhead_ms,
-                ex.upstream_ms,
-                ex.timings,
-                ex.attempts,
-                ex.fallback,
-                ex.labels,
-                ex.routed,
-                outcome,
-            )
-        )
+        # One store a field into lists made at start-up: no tuple, list or other object the collector tracks
+        # is kept (nor made, where a slice assignment made and dropped a tuple a record).
+        (
+            started, rid, tenant, model, served, door, stream, total, overhead, upstream, timing,
+            tried_model, tried_ms, tried_status, tries, fallback, labels, endpoint, policy, score,
+            status, ttft, tpot, usage, error,
+        ) = self.columns  # fmt: skip
+        i = self.index
+        text = ex.server_timing
+        if text is None:  # no head was sent (the client left first): the stages as far as they went
+            text = server_timing(ex.timings, ex.overhead_ms)
+        timing[i] = text
+        started[i] = ex.started
+        rid[i] = ex.request_id
+        tenant[i] = ex.tenant
+        model[i] = ex.model
+        served[i] = ex.served
+        door[i] = ex.endpoint
+        stream[i] = ex.stream
+        total[i] = total_ms
+        overhead[i] = ex.overhead_ms
+        upstream[i] = ex.upstream_ms
+        attempts = ex.attempts
+        if attempts:
+            last: Any = attempts[-1]  # read as it is: no field unboxed to be boxed again
+            tried_model[i] = last[0]
+            tried_ms[i] = last[1]
+            tried_status[i] = last[2]
+            tries[i] = attempts if len(attempts) > 1 else None  # several: rare (failover, fallback, hedge)
+        else:
+            tried_model[i] = tried_ms[i] = tried_status[i] = tries[i] = None
+        fallback[i] = ex.fallback
+        labels[i] = ex.labels
+        routed: Any = ex.routed
+        if routed is not None:
+            endpoint[i] = routed[0]
+            policy[i] = routed[1]
+            score[i] = routed[2]
+        else:
+            endpoint[i] = policy[i] = score[i] = None
+        status[i] = outcome.status
+        ttft[i] = outcome.ttft_ms
+        tpot[i] = outcome.tpot_ms
+        counts = outcome.usage
+        if counts is not None and is_tracked(counts):
+            counts = flattened(counts)  # counts nested in dicts: kept, they would be tracked containers
+        usage[i] = counts
+        error[i] = outcome.error
+        i += 1
+        self.index = i if i < self.slots else 0
+        self.written += 1
 
     def __len__(self) -> int:
-        return len(self.records)
+        return min(self.written, self.size)
 
     def snapshot(self) -> Snapshot:
-        """The kept records as they are now (a copy made in C, so that the views can read it in a thread while
-        the ring goes on), with what puts their perf_counter readings on the wall clock."""
-        return list(self.records), time.time() - time.perf_counter()
+        """What a view reads the ring through (in a thread: `entries` copies it there), and what puts its
+        perf_counter readings on the wall clock."""
+        return self, time.time() - time.perf_counter()
+
+    def copy(self) -> tuple[list[tuple[Any, ...]], range]:
+        """The records as they are, by slot, and the numbers of those that are whole, oldest first."""
+        before = self.written
+        columns = [list(column) for column in self.columns]  # each one C call, atomic under the GIL
+        after = self.written
+        # Records `before` to `after` may have been written meanwhile, over older ones, the last perhaps in part.
+        return list(zip(*columns, strict=True)), range(max(0, after + 1 - self.slots, before - self.size), before)
 
     def __iter__(self) -> Iterator[Entry]:
         return entries(self.snapshot())
 
 
-Snapshot = tuple[list[tuple[Any, ...]], float]
+Snapshot = tuple[Ring, float]
+
+
+def flattened(usage: Mapping[str, Any]) -> dict[str, Any]:
+    """Usage with its nested counts lifted to the top (`prompt_tokens_details.cached_tokens`); other values
+    that are not numbers left out."""
+    flat: dict[str, Any] = {}
+    for name, value in usage.items():
+        if isinstance(value, dict):
+            for inner, count in value.items():
+                if isinstance(count, int | float):
+                    flat[f"{name}.{inner}"] = count
+        elif isinstance(value, int | float):
+            flat[name] = value
+    return flat
 
 
 def entries(snapshot: Snapshot, newest_first: bool = False) -> Iterator[Entry]:
     """The records of a snapshot as the views read them, oldest first (or newest first)."""
-    records, wall = snapshot
-    for started, rid, tenant, model, served, door, stream, total, overhead, upstream, *rest in (
-        reversed(records) if newest_first else records
-    ):
-        timings, attempts, fallback, labels, routed, outcome = rest
-        error = outcome.error
+    ring, wall = snapshot
+    rows, numbers = ring.copy()
+    slots = ring.slots
+    for k in reversed(numbers) if newest_first else numbers:
+        (
+            started, rid, tenant, model, served, door, stream, total, overhead, upstream, timing,
+            tried_model, tried_ms, tried_status, tries, fallback, labels, endpoint, policy, score,
+            status, ttft, tpot, usage, error,
+        ) = rows[k % slots]  # fmt: skip
+        if tries is None:
+            tries = [(tried_model, tried_ms, tried_status)] if tried_model is not None else []
         yield (
             started + wall + total / 1000.0,  # when it ended
             rid,
@@ -102,19 +179,19 @@ def entries(snapshot: Snapshot, newest_first: bool = False) -> Iterator[Entry]:
             served.model if served is not None else None,
             served.backend if served is not None else None,
             door,
-            outcome.status,
+            status,
             stream,
             total,
-            outcome.ttft_ms,
-            outcome.tpot_ms,
+            ttft,
+            tpot,
             overhead,
             upstream,
-            timings,
-            attempts,
+            timing.decode(),
+            tries,
             fallback,
             labels,
-            routed,
-            outcome.usage,
+            (endpoint, policy, score) if endpoint is not None else None,
+            usage,
             error[:ERROR_CHARS] if error is not None else None,
         )
 
@@ -170,7 +247,7 @@ def waterfall(entry: Entry) -> dict[str, Any]:
     stages = []
     at = 0.0
     pool_start: float | None = None
-    for name, ms in entry[TIMINGS]:
+    for name, ms in timings(entry[TIMINGS]):
         start = at
         if name == "pool":
             pool_start = at
@@ -217,9 +294,18 @@ def waterfall(entry: Entry) -> dict[str, Any]:
 
 def server_timing_text(entry: Entry) -> str:
     """What the response's `server-timing` said (three decimals, as the header writes them)."""
-    parts = [f"{name};dur={ms_text(ms)}" for name, ms in entry[TIMINGS]]
-    parts.append(f"overhead;dur={ms_text(entry[OVERHEAD])}")
-    return ", ".join(parts)
+    text: str = entry[TIMINGS]
+    return text
+
+
+def timings(text: str) -> list[tuple[str, float]]:
+    """The stages of a `server-timing` text, in order, without the overhead that ends it."""
+    found = []
+    for part in text.split(", "):
+        name, _, duration = part.partition(";dur=")
+        if name != "overhead":
+            found.append((name, float(duration)))
+    return found
 
 
 def percentiles(entries: Iterable[Entry], since: float, step_s: float) -> dict[str, Any]:
@@ -278,8 +364,7 @@ def shares(entries: Iterable[Entry], since: float) -> dict[str, Any]:
         usage = entry[USAGE]
         if usage:
             prompt = usage.get("prompt_tokens")
-            details = usage.get("prompt_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            cached = usage.get("prompt_tokens_details.cached_tokens")  # flattened when kept (see Ring.record)
             if isinstance(prompt, int) and prompt > 0:
                 total = tokens.setdefault(model, [0, 0])
                 total[0] += prompt

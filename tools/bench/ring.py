@@ -4,8 +4,8 @@ The gateway's counts per request (tools/bench/instructions.py) swing by a few th
 runs with the clock-driven work around them, more than the ring costs; so the ring is counted apart, to within
 a few hundred instructions: a Python process records prepared requests in a loop under callgrind, once with
 `Ring.record` and once with a call that does nothing, each at two loop lengths. The difference of the lengths
-cancels start-up; the difference of the two calls cancels the loop. What is left is the record itself: the
-tuple and the deque's append. Prepared requests are as the pipeline leaves a streamed chat completion (six
+cancels start-up; the difference of the two calls cancels the loop. What is left is the record itself: its
+fields written into its slot. Prepared requests are as the pipeline leaves a streamed chat completion (six
 stages, two tries, a label, usage).
 
 `python -m tools.bench.ring` prints the count; `python -m tools.bench.ring run on|off N` is the counted loop.
@@ -27,6 +27,7 @@ from gateway.server.collector import NEVER
 from gateway.settings import ModelSettings
 from gateway.simulation.answers import Profile
 from gateway.telemetry.console import Ring
+from gateway.telemetry.durations import server_timing
 from gateway.upstream.providers.simulated import SimulatedProvider
 
 LOOPS = (12_000, 22_000)  # both past the ring's 10,000: it is full, and each record lets the oldest go
@@ -48,6 +49,7 @@ def prepared(i: int) -> tuple[Exchange, Outcome]:
     ex.overhead_ms = 0.5
     ex.attempts = [("chat", 20.0, 503), ("chat", 28.0, 0)]
     ex.labels = {"cache": "miss"}
+    ex.server_timing = server_timing(ex.timings, ex.overhead_ms)  # as the pipeline leaves it with the head
     usage = {"prompt_tokens": 10, "completion_tokens": 20}
     return ex, Outcome(status=200, complete=True, ttft_ms=60.0, tpot_ms=5.0, total_ms=200.0, usage=usage)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from gateway.settings import ModelSettings
 from gateway.simulation.answers import Profile
 from gateway.telemetry import console
 from gateway.telemetry.console import ENTRY_BYTES, Ring
-from gateway.telemetry.recorder import server_timing
+from gateway.telemetry.durations import server_timing
 from gateway.upstream.providers.simulated import SimulatedProvider
 
 
@@ -138,7 +139,47 @@ def test_a_large_entry_fits_its_allowance() -> None:
     outcome.error = "upstream 503: " + "x" * 600  # shown in part
     ring = Ring(1, 1 << 20)
     ring.record(ex, outcome, 100.0)
-    (kept,) = ring.records
+    kept = [column[0] for column in ring.columns]  # its slot, as a list of its own: the slot's pointers and more
     assert deep_size(kept, {id(ex.served)}) <= ENTRY_BYTES  # the target is the config's, shared by all
     (entry,) = list(ring)
     assert len(entry[console.ERROR]) == console.ERROR_CHARS
+    assert entry[console.USAGE]["completion_tokens_details.reasoning_tokens"] == 100  # nested counts flattened
+    assert len(entry[console.ATTEMPTS]) == 3
+
+
+def test_a_full_ring_leaves_the_collector_nothing_new() -> None:
+    """Recording adds no object the garbage collector tracks (docstring of telemetry/console.py): the youngest
+    generation does not grow with requests recorded, once the requests themselves exist."""
+    ring = Ring(100, 1 << 20)
+    made = []
+    for i in range(300):
+        ex, outcome = request(f"r{i}")
+        ex.attempts = ex.attempts[-1:]  # one try, as most requests
+        ex.server_timing = server_timing(ex.timings, ex.overhead_ms)  # as the pipeline leaves it
+        made.append((ex, outcome))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        young = len(gc.get_objects(0))
+        for ex, outcome in made:
+            ring.record(ex, outcome, 200.0)
+        grown = len(gc.get_objects(0)) - young
+    finally:
+        if enabled:
+            gc.enable()
+    assert grown < 10, f"{grown} tracked objects kept by 300 records"  # a tuple a record kept 12 a request
+    assert [e[console.RID] for e in ring][-1] == "r299"
+    assert len(list(ring)) == len(ring) == 100
+
+
+def test_a_copy_leaves_out_what_a_record_written_meanwhile_may_have_overwritten() -> None:
+    ring = Ring(3, 1 << 20)
+    for i in range(5):
+        ring.record(*request(f"r{i}"), 1.0)
+    _, numbers = ring.copy()
+    assert list(numbers) == [2, 3, 4]
+    # r4 written but not yet counted when a copy begins: it went to the spare slot (r0's), so r1 to r3 are whole.
+    ring.written -= 1
+    _, numbers = ring.copy()
+    assert list(numbers) == [1, 2, 3]
+    assert [e[console.RID] for e in console.entries(ring.snapshot())] == ["r1", "r2", "r3"]

@@ -33,10 +33,9 @@ from gateway.runtime import Runtime
 from gateway.settings import Settings, TelemetrySettings
 from gateway.state.store import Store
 from gateway.telemetry import tracecontext
-from gateway.telemetry.durations import ms_text, ms_value
+from gateway.telemetry.durations import ms_text, ms_value, server_timing
 from gateway.telemetry.metrics import Metrics, TenantLabels
 from gateway.telemetry.otlp import LeanOTLPSpanExporter
-from gateway.telemetry.recorder import server_timing
 from gateway.telemetry.span_queue import SpanQueue
 from gateway.telemetry.tracing import Tracing, traces_url
 from gateway.upstream.attempts import Upstreams

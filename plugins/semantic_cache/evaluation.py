@@ -46,6 +46,7 @@ BUNDLED = (
     ("independent-dev", "written by another hand than the rules', 16 kinds; tuned on"),
     ("independent-sealed", "written by a third hand, never shown to the rules' author; frozen, totals only"),
     ("independent-sealed-2", "written by a fourth hand after the rules were final; frozen, measured once"),
+    ("independent-sealed-3", "written by a fifth hand, a later day, the rules unchanged; frozen, measured once"),
 )
 THRESHOLDS = tuple(round(0.70 + i / 100, 2) for i in range(30))  # 0.70 .. 0.99
 TARGET_FHR = 0.02

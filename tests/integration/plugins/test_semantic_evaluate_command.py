@@ -141,8 +141,9 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
 # The rule-made sets (tools/semantic_pairs.py) and the hand-written sets at the default threshold, 0.80, with the
 # default typo mending. "transformed", "natural", "forms" and "independent-dev" were tuned on; "transformed-holdout"
 # and "transformed-late" were frozen and later tuned on; "natural-sealed" was frozen before any change and only ever
-# read in total; "independent-sealed" and "independent-sealed-2" were written by hands that never saw the rules
-# and only ever read in total: those three are the figures a user should expect on unseen traffic. The bounds are
+# read in total; "independent-sealed", "independent-sealed-2" and "independent-sealed-3" were written by hands that
+# never saw the rules and only ever read in total: those four are the figures a user should expect on unseen
+# traffic. The bounds are
 # the measured figures with a little room, so that a rule change that costs accuracy fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
@@ -156,6 +157,7 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
         ("independent-dev", 0.02, 0.53),
         ("independent-sealed", 0.02, 0.53),
         ("independent-sealed-2", 0.02, 0.53),
+        ("independent-sealed-3", 0.04, 0.63),  # 3.1 % (5 of 160): over the target, measured once
     ],
 )
 def test_the_held_out_sets_at_the_default_threshold(

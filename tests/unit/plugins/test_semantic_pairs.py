@@ -22,6 +22,7 @@ FROZEN = {
     "independent-dev.jsonl": "c6113fc992794e9458cf971cb1815d6651000fc59963f1aabd3767e16e3e0335",
     "independent-sealed.jsonl": "8d890c601f40c68f01fc2a5b2f0dfa2fe8c74c13619d5c03ac949359029146ba",
     "independent-sealed-2.jsonl": "fdabdebb0eeb538b730833b6c4119f5e84c20b5cfa504b0703c27dc38acf3d6c",
+    "independent-sealed-3.jsonl": "86d4a8b6b5f64df14892b6357a739830c6c0e51af66aef4fee727bbb119aa21a",
 }
 
 

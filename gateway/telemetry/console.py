@@ -1,21 +1,21 @@
 """The console's memory: the last N requests as they ended, and what the console's views read out of them.
 
-Recording is one slice assignment in the completion task (step 6, after the client has its answer): a request's
-fields written into its slot of one flat list made at start-up, as references to what the request already holds
-(its ids, its durations, its `server-timing` text, its labels, its usage), nothing formatted, nothing copied.
-Everything the page shows (a filtered list, one request's waterfall, percentiles per tenant and model, cache
-shares) is computed when the page asks, off the request path.
+Recording happens in the completion task (step 6, after the client has its answer): a request's fields written
+into its slot of lists made at start-up, a column a field, as references to what the request already holds (its
+ids, its durations, its `server-timing` text, its labels, its usage). Everything the page shows (a filtered list,
+one request's waterfall, percentiles per tenant and model, cache shares) is computed when the page asks, off the
+request path, in a thread that reads the ring as it goes on.
 
-Why a flat list of references rather than one tuple a request, as it was: what a ring keeps must stay out of the
+Why columns of references rather than one tuple a request, as it was: what a ring keeps must stay out of the
 garbage collector's way. CPython collects its youngest generation once the objects it tracks (tuples, lists,
 dicts of containers, class instances) made since the last collection, less those freed, pass a threshold. A full
 ring that kept a tuple, the request's timings list with a tuple a stage, its tries and its outcome frees as many
 old tracked objects as it keeps new ones, so that count stands still while the youngest generation grows by a
-dozen objects a request; the collection comes late and traverses them all: measured in a bare gateway, 80,000
-objects and a 59 ms pause after 40,000 requests (none at all with the console off). Here a request adds no
-tracked object (strings, floats, ints and bytes are not tracked; the labels dict holds strings, so it is not
-tracked either; usage with nested counts is flattened into one such dict), and a record takes about 1 KB
-instead of 1.7 KB.
+dozen objects a request; the collection comes late and traverses them all (docs/architecture.md, "What a store
+keeps must not be tracked": up to 23.7 ms measured with every stage on). Here a request adds no tracked object
+(strings, floats, ints and bytes are not tracked; the labels dict holds strings, so it is not tracked either;
+usage with nested counts and several tries are kept as their JSON text), and a record takes about 1 KB instead
+of 1.7 KB.
 
 Bounded twice: at most `requests` entries, and at most `max_bytes` by an allowance per entry (ENTRY_BYTES, a
 request's record with what it references as a gateway keeps it; a unit test measures a large one against it).
@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from gc import is_tracked
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from gateway.telemetry.durations import ms_text, server_timing
 
@@ -54,11 +56,10 @@ WIDTH = 25
 class Ring:
     """The last `size` requests of this process, in `columns`: record k in slot k % (size + 1) of each.
 
-    A record is written field by field, then counted in `written`; what reads the ring does so in a thread,
-    while it goes on, and keeps only the records that were counted before its copy began and that no record
-    since can have overwritten (`copy`). One slot more than `size` is for the record being written, so that a
-    copy made between records has `size` whole ones. The arrival time stays a perf_counter reading, put on the
-    wall clock when read. callgrind counts the record in tools/bench/ring.py.
+    A record is written field by field, then counted in `written`; the views read it in a thread while it goes
+    on (`entries`). One slot more than `size` is for the record being written, so that `size` whole ones are
+    always there to read. The arrival time stays a perf_counter reading, put on the wall clock when read.
+    callgrind counts the record in tools/bench/ring.py.
     """
 
     def __init__(self, requests: int, max_bytes: int) -> None:
@@ -97,7 +98,8 @@ class Ring:
             tried_model[i] = last[0]
             tried_ms[i] = last[1]
             tried_status[i] = last[2]
-            tries[i] = attempts if len(attempts) > 1 else None  # several: rare (failover, fallback, hedge)
+            # Several (failover, fallback, hedge): as JSON, since the list and its tuples are tracked objects.
+            tries[i] = orjson.dumps(attempts).decode() if len(attempts) > 1 else None
         else:
             tried_model[i] = tried_ms[i] = tried_status[i] = tries[i] = None
         fallback[i] = ex.fallback
@@ -112,9 +114,9 @@ class Ring:
         status[i] = outcome.status
         ttft[i] = outcome.ttft_ms
         tpot[i] = outcome.tpot_ms
-        counts = outcome.usage
+        counts: Any = outcome.usage
         if counts is not None and is_tracked(counts):
-            counts = flattened(counts)  # counts nested in dicts: kept, they would be tracked containers
+            counts = orjson.dumps(counts, default=str).decode()  # counts nested in dicts (OpenAI's details): JSON
         usage[i] = counts
         error[i] = outcome.error
         i += 1
@@ -125,17 +127,9 @@ class Ring:
         return min(self.written, self.size)
 
     def snapshot(self) -> Snapshot:
-        """What a view reads the ring through (in a thread: `entries` copies it there), and what puts its
-        perf_counter readings on the wall clock."""
+        """What a view reads the ring through (in a thread, with `entries`), and what puts its perf_counter
+        readings on the wall clock."""
         return self, time.time() - time.perf_counter()
-
-    def copy(self) -> tuple[list[tuple[Any, ...]], range]:
-        """The records as they are, by slot, and the numbers of those that are whole, oldest first."""
-        before = self.written
-        columns = [list(column) for column in self.columns]  # each one C call, atomic under the GIL
-        after = self.written
-        # Records `before` to `after` may have been written meanwhile, over older ones, the last perhaps in part.
-        return list(zip(*columns, strict=True)), range(max(0, after + 1 - self.slots, before - self.size), before)
 
     def __iter__(self) -> Iterator[Entry]:
         return entries(self.snapshot())
@@ -144,56 +138,76 @@ class Ring:
 Snapshot = tuple[Ring, float]
 
 
-def flattened(usage: Mapping[str, Any]) -> dict[str, Any]:
-    """Usage with its nested counts lifted to the top (`prompt_tokens_details.cached_tokens`); other values
-    that are not numbers left out."""
-    flat: dict[str, Any] = {}
-    for name, value in usage.items():
-        if isinstance(value, dict):
-            for inner, count in value.items():
-                if isinstance(count, int | float):
-                    flat[f"{name}.{inner}"] = count
-        elif isinstance(value, int | float):
-            flat[name] = value
-    return flat
-
-
 def entries(snapshot: Snapshot, newest_first: bool = False) -> Iterator[Entry]:
-    """The records of a snapshot as the views read them, oldest first (or newest first)."""
+    """The records of a snapshot as the views read them, oldest first (or newest first), read from the ring as it
+    goes on (in a thread): each made when the view reaches it, so that a view that stops early (a page of
+    requests, one id) reads no more, and nothing is copied ahead. A record is read field by field, then checked:
+    if the record that takes its slot next has begun meanwhile (`written` has reached it), what was read may be
+    partly the newer one's, and it is left out (with every older one, which is overwritten too)."""
     ring, wall = snapshot
-    rows, numbers = ring.copy()
+    (
+        started, rid, tenant, model, served, door, stream, total, overhead, upstream, timing,
+        tried_model, tried_ms, tried_status, tries, fallback, labels, endpoint, policy, score,
+        status, ttft, tpot, usage, error,
+    ) = ring.columns  # fmt: skip
     slots = ring.slots
-    for k in reversed(numbers) if newest_first else numbers:
-        (
-            started, rid, tenant, model, served, door, stream, total, overhead, upstream, timing,
-            tried_model, tried_ms, tried_status, tries, fallback, labels, endpoint, policy, score,
-            status, ttft, tpot, usage, error,
-        ) = rows[k % slots]  # fmt: skip
-        if tries is None:
-            tries = [(tried_model, tried_ms, tried_status)] if tried_model is not None else []
-        yield (
-            started + wall + total / 1000.0,  # when it ended
-            rid,
-            tenant,
-            model,
-            served.model if served is not None else None,
-            served.backend if served is not None else None,
-            door,
-            status,
-            stream,
-            total,
-            ttft,
-            tpot,
-            overhead,
-            upstream,
-            timing.decode(),
-            tries,
-            fallback,
-            labels,
-            (endpoint, policy, score) if endpoint is not None else None,
-            usage,
-            error[:ERROR_CHARS] if error is not None else None,
+    written = ring.written
+    first = max(0, written - ring.size)
+    for k in range(written - 1, first - 1, -1) if newest_first else range(first, written):
+        i = k % slots
+        target = served[i]
+        several = tries[i]
+        text = error[i]
+        entry = (
+            started[i] + wall + total[i] / 1000.0,  # when it ended
+            rid[i],
+            tenant[i],
+            model[i],
+            target.model if target is not None else None,
+            target.backend if target is not None else None,
+            door[i],
+            status[i],
+            stream[i],
+            total[i],
+            ttft[i],
+            tpot[i],
+            overhead[i],
+            upstream[i],
+            timing[i].decode(),
+            several if several is not None else one_try(tried_model[i], tried_ms[i], tried_status[i]),
+            fallback[i],
+            labels[i],
+            (endpoint[i], policy[i], score[i]) if endpoint[i] is not None else None,
+            usage[i],
+            text[:ERROR_CHARS] if text is not None else None,
         )
+        if ring.written >= k + slots:
+            if newest_first:
+                return
+            continue
+        yield entry
+
+
+def usage_of(entry: Entry) -> dict[str, Any] | None:
+    """An entry's usage: kept as JSON text when it held nested counts (Ring.record), read back here."""
+    usage = entry[USAGE]
+    if isinstance(usage, str):
+        found: dict[str, Any] = orjson.loads(usage)
+        return found
+    return usage  # type: ignore[no-any-return]
+
+
+def attempts_of(entry: Entry) -> list[Any]:
+    """An entry's tries, (model, ms, status) each: kept as JSON text when there were several (Ring.record)."""
+    tried = entry[ATTEMPTS]
+    if isinstance(tried, str):
+        found: list[Any] = orjson.loads(tried)
+        return found
+    return tried or []
+
+
+def one_try(model: str | None, ms: float | None, status: int | None) -> list[tuple[Any, ...]]:
+    return [(model, ms, status)] if model is not None else []
 
 
 def matches(entry: Entry, query: Mapping[str, str]) -> bool:
@@ -269,10 +283,10 @@ def waterfall(entry: Entry) -> dict[str, Any]:
     head = overhead + entry[UPSTREAM] if overhead > 0 else None
     attempts = []
     offset = 0.0
-    for model, ms, status in entry[ATTEMPTS]:
+    for model, ms, status in attempts_of(entry):
         attempts.append({"model": model, "start_ms": _ms(offset), "ms": _ms(ms), "status": status or "served"})
         offset += ms
-    usage = entry[USAGE] or {}
+    usage = usage_of(entry) or {}
     routed = entry[ROUTED]
     marks = {"head_ms": _ms(head), "first_token_ms": _ms(entry[TTFT]), "last_byte_ms": _ms(entry[TOTAL])}
     return {
@@ -299,12 +313,14 @@ def server_timing_text(entry: Entry) -> str:
 
 
 def timings(text: str) -> list[tuple[str, float]]:
-    """The stages of a `server-timing` text, in order, without the overhead that ends it."""
+    """The stages of a `server-timing` text, in order, without the overhead that always ends it."""
     found = []
-    for part in text.split(", "):
-        name, _, duration = part.partition(";dur=")
-        if name != "overhead":
+    for part in text.split(", ")[:-1]:
+        name, _, duration = part.rpartition(";dur=")
+        try:
             found.append((name, float(duration)))
+        except ValueError:  # not one the pipeline wrote (a stage's name with ", " in it): left out
+            continue
     return found
 
 
@@ -361,10 +377,11 @@ def shares(entries: Iterable[Entry], since: float) -> dict[str, Any]:
         for name, value in entry[LABELS].items():
             values = labels.setdefault(name, {})
             values[str(value)] = values.get(str(value), 0) + 1
-        usage = entry[USAGE]
+        usage = usage_of(entry)
         if usage:
             prompt = usage.get("prompt_tokens")
-            cached = usage.get("prompt_tokens_details.cached_tokens")  # flattened when kept (see Ring.record)
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(prompt, int) and prompt > 0:
                 total = tokens.setdefault(model, [0, 0])
                 total[0] += prompt

@@ -6,7 +6,7 @@ a few hundred instructions: a Python process records prepared requests in a loop
 `Ring.record` and once with a call that does nothing, each at two loop lengths. The difference of the lengths
 cancels start-up; the difference of the two calls cancels the loop. What is left is the record itself: its
 fields written into its slot. Prepared requests are as the pipeline leaves a streamed chat completion (six
-stages, two tries, a label, usage).
+stages, one try, a label, usage as OpenAI reports it, details and all).
 
 `python -m tools.bench.ring` prints the count; `python -m tools.bench.ring run on|off N` is the counted loop.
 """
@@ -47,10 +47,16 @@ def prepared(i: int) -> tuple[Exchange, Outcome]:
     ex.timings.append(("upstream", 48.0))
     ex.upstream_ms = 48.0
     ex.overhead_ms = 0.5
-    ex.attempts = [("chat", 20.0, 503), ("chat", 28.0, 0)]
+    ex.attempts = [("chat", 48.0, 0)]
     ex.labels = {"cache": "miss"}
     ex.server_timing = server_timing(ex.timings, ex.overhead_ms)  # as the pipeline leaves it with the head
-    usage = {"prompt_tokens": 10, "completion_tokens": 20}
+    usage = {  # as OpenAI reports it: with its details, counts nested in dicts
+        "prompt_tokens": 10,
+        "completion_tokens": 20,
+        "total_tokens": 30,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
+    }
     return ex, Outcome(status=200, complete=True, ttft_ms=60.0, tpot_ms=5.0, total_ms=200.0, usage=usage)
 
 

@@ -143,8 +143,10 @@ def test_a_large_entry_fits_its_allowance() -> None:
     assert deep_size(kept, {id(ex.served)}) <= ENTRY_BYTES  # the target is the config's, shared by all
     (entry,) = list(ring)
     assert len(entry[console.ERROR]) == console.ERROR_CHARS
-    assert entry[console.USAGE]["completion_tokens_details.reasoning_tokens"] == 100  # nested counts flattened
-    assert len(entry[console.ATTEMPTS]) == 3
+    kept_usage = console.usage_of(entry)
+    assert kept_usage is not None
+    assert kept_usage["completion_tokens_details"]["reasoning_tokens"] == 100  # kept whole
+    assert [tuple(tried) for tried in console.attempts_of(entry)] == ex.attempts
 
 
 def test_a_full_ring_leaves_the_collector_nothing_new() -> None:
@@ -153,8 +155,9 @@ def test_a_full_ring_leaves_the_collector_nothing_new() -> None:
     ring = Ring(100, 1 << 20)
     made = []
     for i in range(300):
-        ex, outcome = request(f"r{i}")
-        ex.attempts = ex.attempts[-1:]  # one try, as most requests
+        ex, outcome = request(f"r{i}")  # two tries, usage with nested counts (OpenAI's shape)
+        if i % 2:
+            ex.attempts = ex.attempts[-1:]  # one try, as most requests
         ex.server_timing = server_timing(ex.timings, ex.overhead_ms)  # as the pipeline leaves it
         made.append((ex, outcome))
     enabled = gc.isenabled()
@@ -168,18 +171,32 @@ def test_a_full_ring_leaves_the_collector_nothing_new() -> None:
         if enabled:
             gc.enable()
     assert grown < 10, f"{grown} tracked objects kept by 300 records"  # a tuple a record kept 12 a request
-    assert [e[console.RID] for e in ring][-1] == "r299"
-    assert len(list(ring)) == len(ring) == 100
+    kept = list(ring)
+    assert [e[console.RID] for e in kept][-1] == "r299"
+    assert len(kept) == len(ring) == 100
+    assert console.usage_of(kept[-1]) == made[-1][1].usage
+    assert [len(console.attempts_of(e)) for e in kept[-2:]] == [2, 1]
 
 
-def test_a_copy_leaves_out_what_a_record_written_meanwhile_may_have_overwritten() -> None:
-    ring = Ring(3, 1 << 20)
+def test_a_view_leaves_out_what_records_written_meanwhile_may_have_overwritten() -> None:
+    ring = Ring(3, 1 << 20)  # four slots
     for i in range(5):
         ring.record(*request(f"r{i}"), 1.0)
-    _, numbers = ring.copy()
-    assert list(numbers) == [2, 3, 4]
-    # r4 written but not yet counted when a copy begins: it went to the spare slot (r0's), so r1 to r3 are whole.
-    ring.written -= 1
-    _, numbers = ring.copy()
-    assert list(numbers) == [1, 2, 3]
-    assert [e[console.RID] for e in console.entries(ring.snapshot())] == ["r1", "r2", "r3"]
+    assert [e[console.RID] for e in ring] == ["r2", "r3", "r4"]
+    oldest_first = console.entries(ring.snapshot())
+    assert next(oldest_first)[console.RID] == "r2"
+    for i in (5, 6):  # into r1's and r2's slots; the next one, r7, would take r3's
+        ring.record(*request(f"r{i}"), 1.0)
+    assert [e[console.RID] for e in oldest_first] == ["r4"]  # r3 may be being overwritten: left out
+    newest_first = console.entries(ring.snapshot(), newest_first=True)
+    assert next(newest_first)[console.RID] == "r6"
+    ring.record(*request("r7"), 1.0)
+    assert [e[console.RID] for e in newest_first] == ["r5"]  # r4 may be being overwritten: it and older left out
+    assert len(list(ring)) == 3
+
+
+def test_a_waterfall_reads_any_stage_name_the_header_can_carry() -> None:
+    """A stage may be called `overhead` (only the last part is the gateway's own); a name with ", " in it is read
+    as far as it can be, and never fails the view."""
+    text = "parse;dur=0.100, overhead;dur=0.200, odd, name;dur=0.300, upstream;dur=5.000, overhead;dur=0.400"
+    assert console.timings(text) == [("parse", 0.1), ("overhead", 0.2), ("name", 0.3), ("upstream", 5.0)]

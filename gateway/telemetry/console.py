@@ -66,18 +66,17 @@ class Ring:
         self.size = max(1, min(requests, max_bytes // ENTRY_BYTES))
         self.slots = self.size + 1
         self.columns: list[list[Any]] = [[None] * self.slots for _ in range(WIDTH)]
-        self.written = 0  # records written in all
-        self.index = 0  # the slot the next record goes to: written % slots
+        self.written = 0  # records written in all: the next goes to slot written % slots
 
     def record(self, ex: Exchange, outcome: Outcome, total_ms: float) -> None:
         # One store a field into lists made at start-up: no tuple, list or other object the collector tracks
-        # is kept (nor made, where a slice assignment made and dropped a tuple a record).
+        # is kept.
         (
             started, rid, tenant, model, served, door, stream, total, overhead, upstream, timing,
             tried_model, tried_ms, tried_status, tries, fallback, labels, endpoint, policy, score,
             status, ttft, tpot, usage, error,
         ) = self.columns  # fmt: skip
-        i = self.index
+        i = self.written % self.slots
         text = ex.server_timing
         if text is None:  # no head was sent (the client left first): the stages as far as they went
             text = server_timing(ex.timings, ex.overhead_ms)
@@ -119,8 +118,6 @@ class Ring:
             counts = orjson.dumps(counts, default=str).decode()  # counts nested in dicts (OpenAI's details): JSON
         usage[i] = counts
         error[i] = outcome.error
-        i += 1
-        self.index = i if i < self.slots else 0
         self.written += 1
 
     def __len__(self) -> int:

@@ -143,8 +143,8 @@ def test_direction_swaps_score_above_harmless_reorderings(hard_report: dict[str,
 # and "transformed-late" were frozen and later tuned on; "natural-sealed" was frozen before any change and only ever
 # read in total; "independent-sealed", "independent-sealed-2" and "independent-sealed-3" were written by hands that
 # never saw the rules and only ever read in total: those four are the figures a user should expect on unseen
-# traffic. The bounds are
-# the measured figures with a little room, so that a rule change that costs accuracy fails here.
+# traffic. The bounds are the measured figures with a little room, so that a rule change that costs accuracy
+# fails here.
 @pytest.mark.parametrize(
     ("name", "max_fhr", "min_recall"),
     [
